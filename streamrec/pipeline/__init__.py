@@ -1,0 +1,1 @@
+"""streamrec.pipeline"""
