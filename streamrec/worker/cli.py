@@ -1,0 +1,255 @@
+"""The ``streamrec`` command line.
+
+Each subcommand is one handler taking the parsed namespace and returning an exit status.
+Commands that later work delivers are registered with ``_not_yet``; ``run`` already has
+its flags, and the others accept any flags for now, so scripts written against the final
+interface get the plain "not available yet" answer rather than a usage error. Exit
+statuses: 0 success, 1 failure (bad input lines, unreachable broker, bad config),
+2 usage errors and commands not available yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from streamrec import __version__
+from streamrec.errors import ConfigError, StreamrecError
+from streamrec.worker.config import ENV_CONFIG_FILE, WorkerConfig, config_fields, load_config
+
+EXIT_OK: Final = 0
+EXIT_FAILURE: Final = 1
+EXIT_USAGE: Final = 2
+
+Handler = Callable[[argparse.Namespace], int]
+
+# Which issue delivers each command that is not implemented yet.
+_DELIVERED_BY: Final = {"run": 7, "demo": 7, "train": 3, "eval": 3, "export": 5, "bench": 8}
+
+# Named flags -> config keys (everything else: --set section.field=value).
+_FLAG_KEYS: Final = {
+    "bootstrap_servers": "kafka.bootstrap_servers",
+    "group_id": "group.group_id",
+    "output_topic": "topics.output",
+    "dlq_topic": "topics.dead_letter",
+    "model": "model.model_dir",
+    "store": "store.url",
+    "http_port": "http.port",
+    "log_format": "log.format",
+    "log_level": "log.level",
+}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, *, worker: bool) -> None:
+    """The flags that override the config file and the environment."""
+    group = parser.add_argument_group("configuration (flags beat STREAMREC_* env beat file)")
+    group.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help=f"TOML config file (default: ${ENV_CONFIG_FILE})",
+    )
+    group.add_argument("--bootstrap-servers", metavar="HOST:PORT[,...]")
+    if worker:
+        group.add_argument("--group-id")
+        group.add_argument(
+            "--input-topics", metavar="PLAYBACK,INTERACTION", help="the two input topics"
+        )
+        group.add_argument("--output-topic")
+        group.add_argument("--dlq-topic")
+        group.add_argument("--model", metavar="DIR", help="model directory")
+        group.add_argument("--store", metavar="URL", help="history store: memory:// or redis://")
+        group.add_argument("--http-port", metavar="PORT")
+        group.add_argument(
+            "--require-aoti",
+            action="store_true",
+            default=None,
+            help="fail instead of falling back to eager PyTorch",
+        )
+    group.add_argument("--log-format", choices=("auto", "json", "text"))
+    group.add_argument("--log-level", metavar="LEVEL")
+    group.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="set any config field (repeatable); see `streamrec config show`",
+    )
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, str]:
+    """The config overrides that the parsed flags ask for (dotted key -> text)."""
+    overrides: dict[str, str] = {}
+    for setting in getattr(args, "settings", []):
+        key, sep, value = setting.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {setting!r}: expected SECTION.FIELD=VALUE")
+        overrides[key.strip()] = value
+    for dest, key in _FLAG_KEYS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            overrides[key] = str(value)
+    topics = getattr(args, "input_topics", None)
+    if topics is not None:
+        names = [name.strip() for name in topics.split(",")]
+        if len(names) != 2:
+            raise ConfigError(
+                f"--input-topics {topics!r}: expected two names, PLAYBACK,INTERACTION"
+            )
+        overrides["topics.playback"], overrides["topics.interaction"] = names
+    if getattr(args, "require_aoti", None):
+        overrides["model.require_aoti"] = "true"
+    return overrides
+
+
+def effective_config(args: argparse.Namespace) -> WorkerConfig:
+    return load_config(getattr(args, "config", None), overrides=config_overrides(args))
+
+
+def _not_yet(command: str) -> Handler:
+    def handler(args: argparse.Namespace) -> int:
+        issue = _DELIVERED_BY[command]
+        print(f"not available yet: {command} is delivered by issue {issue}", file=sys.stderr)
+        return EXIT_USAGE
+
+    return handler
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    config = effective_config(args)
+    data = config.to_dict(mask_secrets=not args.show_secrets)
+    if args.format == "json":
+        print(json.dumps(data, indent=2))
+    else:
+        sys.stdout.write(render_toml(data))
+    return EXIT_OK
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+def render_toml(data: dict[str, dict[str, Any]]) -> str:
+    """TOML for the effective config; unset optional fields appear commented out."""
+    env_names = {(f.section, f.name): f.env_var for f in config_fields()}
+    lines: list[str] = []
+    for section, values in data.items():
+        lines.append(f"[{section}]")
+        for name, value in values.items():
+            env = env_names[(section, name)]
+            if value is None:
+                lines.append(f"# {name} = (unset)  # {env}")
+            else:
+                lines.append(f"{name} = {_toml_value(value)}  # {env}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _produce(args: argparse.Namespace) -> int:
+    from streamrec.schemas.wire import WireFormat
+    from streamrec.worker.produce_command import kind_for_topic, produce_stream
+
+    config = effective_config(args)
+    kind = kind_for_topic(args.topic, config.topics, args.kind)
+    fmt = WireFormat.JSON if args.format == "json" else WireFormat.MSGPACK
+    try:
+        stream = args.file.open("rb") if args.file is not None else sys.stdin.buffer
+    except OSError as exc:
+        raise ConfigError(f"--file {str(args.file)!r}: {exc.strerror}") from None
+    try:
+        stats = asyncio.run(
+            produce_stream(
+                stream,
+                topic=args.topic,
+                kind=kind,
+                kafka=config.kafka,
+                fmt=fmt,
+                key_field=args.key_field,
+            )
+        )
+    finally:
+        if args.file is not None:
+            stream.close()
+    for error in stats.errors:
+        print(f"streamrec produce: {error}", file=sys.stderr)
+    print(
+        f"streamrec produce: sent {stats.sent} to {args.topic!r} ({kind.value}, {fmt.name.lower()})"
+        f", {stats.invalid} invalid, {stats.blank} blank",
+        file=sys.stderr,
+    )
+    return EXIT_FAILURE if stats.invalid else EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamrec",
+        description="Streaming generative recommendations: Kafka events -> HSTU -> top-K.",
+    )
+    parser.add_argument("--version", action="version", version=f"streamrec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the worker against a Kafka cluster")
+    _add_config_flags(run, worker=True)
+    run.set_defaults(handler=_not_yet("run"))
+
+    for name, text in (
+        ("demo", "local broker + small model + replayed events"),
+        ("train", "train a model directory"),
+        ("eval", "evaluate a model directory offline"),
+        ("export", "compile a model to an AOTInductor package"),
+        ("bench", "run a benchmark"),
+    ):
+        cmd = sub.add_parser(name, help=text)
+        cmd.set_defaults(handler=_not_yet(name))
+
+    config = sub.add_parser("config", help="inspect the configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = config_sub.add_parser("show", help="print the effective configuration")
+    _add_config_flags(show, worker=True)
+    show.add_argument("--format", choices=("toml", "json"), default="toml")
+    show.add_argument("--show-secrets", action="store_true", help="do not mask passwords")
+    show.set_defaults(handler=_config_show)
+
+    produce = sub.add_parser("produce", help="send JSON-lines events to a topic")
+    produce.add_argument("--topic", required=True)
+    produce.add_argument("--file", type=Path, help="JSON-lines file (default: stdin)")
+    produce.add_argument("--format", choices=("msgpack", "json"), default="msgpack")
+    produce.add_argument(
+        "--kind",
+        choices=("playback", "interaction"),
+        help="event schema (default: by topic name from the config)",
+    )
+    produce.add_argument("--key-field", default="user_id", help="event field used as key")
+    _add_config_flags(produce, worker=False)
+    produce.set_defaults(handler=_produce)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``streamrec`` console script; returns the exit status."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command not in _DELIVERED_BY:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except StreamrecError as exc:
+        print(f"streamrec {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

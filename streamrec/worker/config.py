@@ -1,0 +1,592 @@
+"""The worker's whole configuration: frozen dataclasses and the layered loader.
+
+Precedence, lowest first: dataclass defaults < TOML file < ``STREAMREC_*`` environment
+variables < CLI flags. Every field is reachable from every layer under one naming scheme:
+
+- TOML: a ``[section]`` table with ``field = value``, e.g. ``[kafka] bootstrap_servers``
+- env:  ``STREAMREC_<SECTION>__<FIELD>``, e.g. ``STREAMREC_KAFKA__BOOTSTRAP_SERVERS``
+- flag: ``--set section.field=value`` (plus named shortcuts in the CLI)
+
+``STREAMREC_CONFIG`` names the TOML file when ``--config`` is not given. This is the only
+module that reads environment variables; everything else receives a ``WorkerConfig``.
+Unknown keys are errors rather than warnings because a misspelt override silently running
+with the default is the costlier failure in production.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import urlsplit, urlunsplit
+
+from streamrec.errors import ConfigError
+
+ENV_PREFIX = "STREAMREC_"
+ENV_CONFIG_FILE = "STREAMREC_CONFIG"
+SECRET_MASK = "***"
+
+_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _fail(section: str, name: str, value: object, problem: str) -> ConfigError:
+    return ConfigError(f"{section}.{name} = {value!r}: {problem}")
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """Split ``X | None`` into ``(X, True)``; plain ``X`` into ``(X, False)``."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported config field type {tp!r}")
+        return args[0], True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    base, optional = _unwrap_optional(tp)
+    names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+    name = names.get(base, "a path")
+    return f"{name} or unset" if optional else name
+
+
+def _matches(tp: Any, value: object) -> bool:
+    base, optional = _unwrap_optional(tp)
+    if value is None:
+        return optional
+    if base is bool:
+        return isinstance(value, bool)
+    if base is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if base is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if base is Path:
+        return isinstance(value, Path)
+    return isinstance(value, base)
+
+
+@dataclass(frozen=True)
+class _Section:
+    """Shared checks: every field has its declared type, then the section's own rules."""
+
+    SECTION: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not _matches(hints[f.name], value):
+                raise _fail(self.SECTION, f.name, value, f"expected {_type_name(hints[f.name])}")
+        self._validate()
+
+    def _validate(self) -> None:
+        """Range and consistency rules of one section (overridden per section)."""
+
+    def _require(self, ok: bool, name: str, problem: str) -> None:
+        if not ok:
+            raise _fail(self.SECTION, name, getattr(self, name), problem)
+
+    def _positive(self, *names: str) -> None:
+        for name in names:
+            self._require(getattr(self, name) > 0, name, "must be > 0")
+
+    def _one_of(self, name: str, allowed: tuple[str, ...]) -> None:
+        self._require(getattr(self, name) in allowed, name, f"must be one of {list(allowed)}")
+
+
+@dataclass(frozen=True)
+class KafkaConfig(_Section):
+    """Connection to the Kafka cluster; the timeouts are passed to aiokafka unchanged."""
+
+    SECTION: ClassVar[str] = "kafka"
+    SECRETS: ClassVar[frozenset[str]] = frozenset({"sasl_password"})
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    client_id: str = "streamrec"
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: Path | None = None
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 3_000
+    max_poll_interval_ms: int = 300_000
+    request_timeout_ms: int = 40_000
+    fetch_max_wait_ms: int = 100
+    fetch_max_bytes: int = 52_428_800
+    max_partition_fetch_bytes: int = 1_048_576
+    max_poll_records: int = 2_000
+
+    def _validate(self) -> None:
+        servers = self.bootstrap_servers.split(",")
+        for server in servers:
+            host, _, port = server.strip().rpartition(":")
+            ok = bool(host) and port.isdigit() and 0 < int(port) < 65536
+            self._require(ok, "bootstrap_servers", f"entry {server!r} is not host:port")
+        self._require(bool(self.client_id), "client_id", "must not be empty")
+        self._one_of("security_protocol", ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"))
+        if self.security_protocol.startswith("SASL_"):
+            self._require(self.sasl_mechanism is not None, "sasl_mechanism", "required with SASL_*")
+        if self.sasl_mechanism is not None:
+            self._one_of("sasl_mechanism", ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"))
+            self._require(bool(self.sasl_username), "sasl_username", "required with SASL")
+            self._require(self.sasl_password is not None, "sasl_password", "required with SASL")
+        self._positive(
+            "session_timeout_ms",
+            "heartbeat_interval_ms",
+            "max_poll_interval_ms",
+            "request_timeout_ms",
+            "fetch_max_bytes",
+            "max_partition_fetch_bytes",
+            "max_poll_records",
+        )
+        self._require(self.fetch_max_wait_ms >= 0, "fetch_max_wait_ms", "must be >= 0")
+        self._require(
+            self.heartbeat_interval_ms < self.session_timeout_ms,
+            "heartbeat_interval_ms",
+            f"must be < session_timeout_ms ({self.session_timeout_ms})",
+        )
+        self._require(
+            self.request_timeout_ms > self.session_timeout_ms,
+            "request_timeout_ms",
+            f"must be > session_timeout_ms ({self.session_timeout_ms})",
+        )
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Connection settings shared by aiokafka's consumer, producer and admin client."""
+        kwargs: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers,
+            "client_id": self.client_id,
+            "security_protocol": self.security_protocol,
+            "request_timeout_ms": self.request_timeout_ms,
+        }
+        if self.sasl_mechanism is not None:
+            kwargs["sasl_mechanism"] = self.sasl_mechanism
+            kwargs["sasl_plain_username"] = self.sasl_username
+            kwargs["sasl_plain_password"] = self.sasl_password
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            from aiokafka.helpers import create_ssl_context
+
+            cafile = str(self.ssl_cafile) if self.ssl_cafile is not None else None
+            kwargs["ssl_context"] = create_ssl_context(cafile=cafile)
+        return kwargs
+
+    def consumer_kwargs(self) -> dict[str, Any]:
+        """``client_kwargs`` plus the group-membership and fetch settings of a consumer."""
+        return {
+            **self.client_kwargs(),
+            "session_timeout_ms": self.session_timeout_ms,
+            "heartbeat_interval_ms": self.heartbeat_interval_ms,
+            "max_poll_interval_ms": self.max_poll_interval_ms,
+            "fetch_max_wait_ms": self.fetch_max_wait_ms,
+            "fetch_max_bytes": self.fetch_max_bytes,
+            "max_partition_fetch_bytes": self.max_partition_fetch_bytes,
+            "max_poll_records": self.max_poll_records,
+        }
+
+
+@dataclass(frozen=True)
+class TopicsConfig(_Section):
+    """Topic names; playback and interaction must be co-partitioned (checked at start)."""
+
+    SECTION: ClassVar[str] = "topics"
+
+    playback: str = "playback-events"
+    interaction: str = "interaction-events"
+    output: str = "recommendations"
+    dead_letter: str = "streamrec-dlq"
+    output_format: str = "msgpack"
+
+    def _validate(self) -> None:
+        names = ("playback", "interaction", "output", "dead_letter")
+        for name in names:
+            ok = bool(_TOPIC_NAME.match(getattr(self, name))) and getattr(self, name) not in (
+                ".",
+                "..",
+            )
+            self._require(ok, name, "is not a legal Kafka topic name ([A-Za-z0-9._-]{1,249})")
+        seen: dict[str, str] = {}
+        for name in names:
+            other = seen.setdefault(getattr(self, name), name)
+            self._require(other == name, name, f"is the same topic as topics.{other}")
+        self._one_of("output_format", ("msgpack", "json"))
+
+    def input_topics(self) -> tuple[str, str]:
+        return (self.playback, self.interaction)
+
+
+@dataclass(frozen=True)
+class GroupConfig(_Section):
+    """Consumer-group membership and the commit cadence."""
+
+    SECTION: ClassVar[str] = "group"
+
+    group_id: str = "streamrec"
+    group_instance_id: str | None = None
+    commit_interval_ms: int = 1_000
+    drain_timeout_s: float = 10.0
+
+    def _validate(self) -> None:
+        self._require(bool(self.group_id), "group_id", "must not be empty")
+        if self.group_instance_id is not None:
+            self._require(bool(self.group_instance_id), "group_instance_id", "must not be empty")
+        self._positive("commit_interval_ms", "drain_timeout_s")
+
+
+@dataclass(frozen=True)
+class BatchingConfig(_Section):
+    """Micro-batcher knobs; the watermarks drive partition pause/resume (backpressure)."""
+
+    SECTION: ClassVar[str] = "batching"
+
+    max_batch_users: int = 64
+    max_wait_ms: float = 5.0
+    queue_high_watermark: int = 8_192
+    queue_low_watermark: int = 2_048
+
+    def _validate(self) -> None:
+        self._positive("max_batch_users", "queue_high_watermark")
+        self._require(self.max_wait_ms >= 0, "max_wait_ms", "must be >= 0")
+        self._require(self.queue_low_watermark >= 0, "queue_low_watermark", "must be >= 0")
+        self._require(
+            self.queue_low_watermark < self.queue_high_watermark,
+            "queue_low_watermark",
+            f"must be < queue_high_watermark ({self.queue_high_watermark})",
+        )
+        self._require(
+            self.max_batch_users <= self.queue_high_watermark,
+            "max_batch_users",
+            f"must be <= queue_high_watermark ({self.queue_high_watermark})",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig(_Section):
+    """Cache sizes. ``kv_budget_bytes`` = 0 means: use ``kv_budget_fraction`` of the GPU
+    memory left free after the model is loaded (so one config fits several GPU sizes)."""
+
+    SECTION: ClassVar[str] = "cache"
+
+    kv_budget_bytes: int = 0
+    kv_budget_fraction: float = 0.5
+    block_size: int = 16
+    host_tier_bytes: int = 1 << 30
+    embedding_cache_rows: int = 0  # 0 = the whole item table on the device
+
+    def _validate(self) -> None:
+        self._require(self.kv_budget_bytes >= 0, "kv_budget_bytes", "must be >= 0")
+        self._require(
+            0.0 < self.kv_budget_fraction <= 1.0, "kv_budget_fraction", "must be in (0, 1]"
+        )
+        self._require(
+            0 < self.block_size <= 4096 and self.block_size & (self.block_size - 1) == 0,
+            "block_size",
+            "must be a power of two in [1, 4096]",
+        )
+        self._require(self.host_tier_bytes >= 0, "host_tier_bytes", "must be >= 0")
+        self._require(self.embedding_cache_rows >= 0, "embedding_cache_rows", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    """Which model to serve and how; ``require_aoti`` turns the eager fallback into an error."""
+
+    SECTION: ClassVar[str] = "model"
+
+    model_dir: Path = Path(".streamrec-cache/model")
+    require_aoti: bool = False
+    aoti_cache_dir: Path = Path(".streamrec-cache/aoti")
+    device: str = "auto"
+    num_candidates: int = 200
+    top_k: int = 20
+
+    def _validate(self) -> None:
+        self._require(str(self.model_dir) != "", "model_dir", "must not be empty")
+        self._one_of("device", ("auto", "cpu", "cuda"))
+        self._positive("num_candidates", "top_k")
+        self._require(
+            self.top_k <= self.num_candidates,
+            "top_k",
+            f"must be <= num_candidates ({self.num_candidates})",
+        )
+
+
+@dataclass(frozen=True)
+class StoreConfig(_Section):
+    """History store; the URL scheme picks the backend (``memory://`` or ``redis://``)."""
+
+    SECTION: ClassVar[str] = "store"
+    SECRETS: ClassVar[frozenset[str]] = frozenset({"url"})  # only its password part
+
+    url: str = "memory://"
+
+    def _validate(self) -> None:
+        scheme = urlsplit(self.url).scheme
+        self._require(
+            scheme in ("memory", "redis", "rediss"), "url", "scheme must be memory, redis or rediss"
+        )
+
+
+@dataclass(frozen=True)
+class HttpConfig(_Section):
+    """The one HTTP port for /metrics, /healthz and /readyz (port 0 = pick a free one)."""
+
+    SECTION: ClassVar[str] = "http"
+
+    host: str = "0.0.0.0"
+    port: int = 9400
+
+    def _validate(self) -> None:
+        self._require(bool(self.host), "host", "must not be empty")
+        self._require(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
+
+
+@dataclass(frozen=True)
+class LogConfig(_Section):
+    """Log format: ``auto`` is text on a terminal and JSON lines otherwise (containers)."""
+
+    SECTION: ClassVar[str] = "log"
+
+    format: str = "auto"
+    level: str = "INFO"
+
+    def _validate(self) -> None:
+        self._one_of("format", ("auto", "json", "text"))
+        self._require(
+            self.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+            "level",
+            "must be DEBUG, INFO, WARNING, ERROR or CRITICAL",
+        )
+
+
+_SECTIONS: tuple[type[_Section], ...] = (
+    KafkaConfig,
+    TopicsConfig,
+    GroupConfig,
+    BatchingConfig,
+    CacheConfig,
+    ModelConfig,
+    StoreConfig,
+    HttpConfig,
+    LogConfig,
+)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one worker process needs; built by ``load_config``, passed by constructor."""
+
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    topics: TopicsConfig = field(default_factory=TopicsConfig)
+    group: GroupConfig = field(default_factory=GroupConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        for cls in _SECTIONS:
+            value = getattr(self, cls.SECTION)
+            if not isinstance(value, cls):
+                raise ConfigError(f"{cls.SECTION} = {value!r}: expected a {cls.__name__}")
+
+    def to_dict(self, *, mask_secrets: bool = True) -> dict[str, dict[str, Any]]:
+        """Plain nested dict (paths as strings); secrets masked unless asked otherwise."""
+        out: dict[str, dict[str, Any]] = {}
+        for cls in _SECTIONS:
+            section = getattr(self, cls.SECTION)
+            secrets: frozenset[str] = getattr(cls, "SECRETS", frozenset())
+            values: dict[str, Any] = {}
+            for f in dataclasses.fields(section):
+                value = getattr(section, f.name)
+                if isinstance(value, Path):
+                    value = str(value)
+                if mask_secrets and f.name in secrets and value is not None:
+                    value = _mask_url(value) if f.name == "url" else SECRET_MASK
+                values[f.name] = value
+            out[cls.SECTION] = values
+        return out
+
+
+def _mask_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:{SECRET_MASK}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    """One configurable field: where it lives and how to set it (drives docs and `--set`)."""
+
+    section: str
+    name: str
+    type_name: str
+    default: object
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def env_var(self) -> str:
+        return env_var_name(self.section, self.name)
+
+
+def env_var_name(section: str, name: str) -> str:
+    return f"{ENV_PREFIX}{section.upper()}__{name.upper()}"
+
+
+def config_fields() -> list[FieldInfo]:
+    """Every field of every section, in declaration order."""
+    out = []
+    for cls in _SECTIONS:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            out.append(FieldInfo(cls.SECTION, f.name, _type_name(hints[f.name]), f.default))
+    return out
+
+
+def _parse_text(tp: Any, text: str, where: str, key: str) -> object:
+    """Turn an env/flag string into the field's type; '' unsets an optional field."""
+    base, optional = _unwrap_optional(tp)
+    if optional and text == "":
+        return None
+    try:
+        if base is bool:
+            low = text.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError(text)
+        if base is int:
+            return int(text)
+        if base is float:
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"{where}: {key} = {text!r}: expected {_type_name(tp)}") from None
+    if base is Path:
+        return Path(text)
+    return text
+
+
+def _coerce_toml(tp: Any, value: object, where: str, key: str) -> object:
+    base, _ = _unwrap_optional(tp)
+    if base is Path and isinstance(value, str):
+        return Path(value)
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not _matches(tp, value):
+        raise ConfigError(f"{where}: {key} = {value!r}: expected {_type_name(tp)}")
+    return value
+
+
+def _section_hints() -> dict[str, dict[str, Any]]:
+    return {cls.SECTION: typing.get_type_hints(cls) for cls in _SECTIONS}
+
+
+def _read_toml(path: Path, hints: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    try:
+        with path.open("rb") as fh:
+            doc = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    where = f"config file {str(path)!r}"
+    out: dict[str, dict[str, Any]] = {}
+    for section, table in doc.items():
+        if section not in hints:
+            raise ConfigError(f"{where}: unknown section [{section}]; known: {sorted(hints)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: {section} = {table!r}: expected a [{section}] table")
+        for name, value in table.items():
+            key = f"{section}.{name}"
+            if name not in hints[section]:
+                raise ConfigError(f"{where}: unknown key {key!r}")
+            out.setdefault(section, {})[name] = _coerce_toml(
+                hints[section][name], value, where, key
+            )
+    return out
+
+
+def _read_environ(
+    environ: Mapping[str, str], hints: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for var, text in environ.items():
+        if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_FILE:
+            continue
+        section, sep, name = var[len(ENV_PREFIX) :].lower().partition("__")
+        if not sep or section not in hints or name not in hints[section]:
+            raise ConfigError(
+                f"unknown environment variable {var!r}: expected {ENV_PREFIX}<SECTION>__<FIELD>"
+                f" for a known field, e.g. {env_var_name('kafka', 'bootstrap_servers')}"
+            )
+        key = f"{section}.{name}"
+        value = _parse_text(hints[section][name], text, f"environment {var}", key)
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def _read_overrides(
+    overrides: Mapping[str, object], hints: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for key, raw in overrides.items():
+        section, _, name = key.partition(".")
+        if section not in hints or name not in hints[section]:
+            known = ", ".join(f.key for f in config_fields())
+            raise ConfigError(f"unknown config key {key!r}; known keys: {known}")
+        tp = hints[section][name]
+        where = f"flag for {key}"
+        value = (
+            _parse_text(tp, raw, where, key)
+            if isinstance(raw, str)
+            else _coerce_toml(tp, raw, where, key)
+        )
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> WorkerConfig:
+    """Build the effective config: defaults < TOML ``path`` < ``environ`` < ``overrides``.
+
+    ``environ`` defaults to ``os.environ``; tests pass their own mapping. ``overrides``
+    are dotted keys (``"http.port"``) from CLI flags; string values are parsed like
+    environment values. ``path`` None falls back to ``$STREAMREC_CONFIG``, then to none.
+    """
+    env = os.environ if environ is None else environ
+    hints = _section_hints()
+    layers: list[dict[str, dict[str, Any]]] = []
+    file = path if path is not None else env.get(ENV_CONFIG_FILE) or None
+    if file is not None:
+        layers.append(_read_toml(Path(file), hints))
+    layers.append(_read_environ(env, hints))
+    layers.append(_read_overrides(overrides or {}, hints))
+    merged: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+        for section, values in layer.items():
+            merged.setdefault(section, {}).update(values)
+    sections = {cls.SECTION: cls(**merged.get(cls.SECTION, {})) for cls in _SECTIONS}
+    return WorkerConfig(**sections)  # type: ignore[arg-type]
