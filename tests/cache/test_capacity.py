@@ -1,0 +1,27 @@
+import pytest
+import torch
+
+from streamrec.cache.capacity import capacity_report
+from streamrec.cache.kv_cache import KVCacheConfig
+from streamrec.errors import ConfigError
+
+GIB = 2**30
+
+
+def test_reference_config_rows() -> None:
+    kv = KVCacheConfig(num_layers=8, num_heads=4, head_dim=128, block_size=16)
+    rows = {r.tier: r for r in capacity_report(kv, 1000, 100 * GIB, 64 * GIB)}
+    # 1000 tokens -> 63 blocks of 16 tokens; a block holds 16 * (8*2*4*128*2 + 8) bytes.
+    assert rows["gpu_kv"].bytes_per_user == 63 * 16 * 16392
+    assert rows["gpu_kv"].users == (100 * GIB // (16 * 16392)) // 63
+    assert rows["host_kv"].users == (64 * GIB // (16 * 16392)) // 63
+    assert rows["history_store"].bytes_per_user == 1000 * 24 + 256
+    assert rows["history_store"].users is None
+
+
+def test_partial_blocks_and_bad_input() -> None:
+    kv = KVCacheConfig(num_layers=1, num_heads=1, head_dim=2, block_size=4, dtype=torch.float32)
+    (gpu, host, store) = capacity_report(kv, 5, 10 * kv.bytes_per_block, None, 1000)
+    assert (gpu.users, host.users, store.users) == (5, None, 1000 // (5 * 24 + 256))
+    with pytest.raises(ConfigError, match="history_len=0"):
+        capacity_report(kv, 0, 100)
