@@ -1,0 +1,368 @@
+"""deploy/: every manifest through a real schema validator, plus the invariants operators rely on.
+
+Core Kubernetes objects are validated with ``kubernetes-validate`` (the Kubernetes OpenAPI
+schemas ship inside the wheel; strict mode rejects unknown fields) against the oldest
+supported and the newest bundled Kubernetes version. The manifests validated are the
+*rendered* base and GPU overlay (tests/deploy/kustomization.py emulates ``kustomize
+build`` offline). CRDs (KEDA, Prometheus Operator) are validated with ``jsonschema``
+against the small schemas in tests/deploy/schemas/ covering the fields deploy/ uses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from streamrec.worker.config import load_config
+from tests.deploy.kustomization import Kustomization, Resource, load_documents
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+SCHEMAS = Path(__file__).parent / "schemas"
+OVERLAYS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu"}
+K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
+CRD_SCHEMAS = {
+    "ScaledObject": "scaledobject.json",
+    "PrometheusRule": "prometheusrule.json",
+    "ServiceMonitor": "servicemonitor.json",
+}
+POD_NAME = "streamrec-0"
+
+# The metrics contract (deploy/README.md "Metrics contract"): name -> (type, labels).
+CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
+    "streamrec_events_consumed_total": ("counter", frozenset({"topic"})),
+    "streamrec_events_invalid_total": ("counter", frozenset({"topic", "kind"})),
+    "streamrec_dead_letters_total": ("counter", frozenset()),
+    "streamrec_batch_users": ("histogram", frozenset()),
+    "streamrec_queue_delay_seconds": ("histogram", frozenset()),
+    "streamrec_step_seconds": ("histogram", frozenset({"phase"})),
+    "streamrec_cache_hits_total": ("counter", frozenset({"tier"})),
+    "streamrec_cache_misses_total": ("counter", frozenset({"tier"})),
+    "streamrec_cache_evictions_total": ("counter", frozenset({"tier"})),
+    "streamrec_kv_blocks": ("gauge", frozenset({"state"})),
+    "streamrec_recommendations_published_total": ("counter", frozenset()),
+    "streamrec_event_to_publish_seconds": ("histogram", frozenset()),
+    "streamrec_commit_seconds": ("histogram", frozenset()),
+    "streamrec_commits_total": ("counter", frozenset()),
+    "streamrec_consumer_lag": ("gauge", frozenset({"topic", "partition"})),
+    "streamrec_rebalances_total": ("counter", frozenset()),
+    "streamrec_model_backend": ("gauge", frozenset({"backend"})),
+    "streamrec_last_commit_timestamp_seconds": ("gauge", frozenset()),
+}
+# Labels Prometheus attaches at scrape time (ServiceMonitor target labels).
+TARGET_LABELS = frozenset({"namespace", "pod", "job", "instance", "service", "container"})
+# Metrics from outside the worker that the alerts may use.
+EXTERNAL_METRICS = frozenset(
+    {"up", "kube_statefulset_status_replicas_ready", "kube_statefulset_status_replicas"}
+)
+REQUIRED_ALERTS = frozenset(
+    {
+        "StreamrecConsumerLagGrowing",
+        "StreamrecDeadLetterRateHigh",
+        "StreamrecCacheHitRateLow",
+        "StreamrecNoCommitProgress",
+        "StreamrecNotReady",
+    }
+)
+
+
+@pytest.fixture(scope="module", params=sorted(OVERLAYS))
+def rendered(request: pytest.FixtureRequest) -> list[Resource]:
+    return Kustomization(OVERLAYS[request.param]).render()
+
+
+@pytest.fixture(scope="module")
+def gpu() -> list[Resource]:
+    return Kustomization(OVERLAYS["gpu"]).render()
+
+
+def only(resources: list[Resource], kind: str, name: str | None = None) -> Resource:
+    hits = [r for r in resources if r["kind"] == kind and name in (None, r["metadata"]["name"])]
+    assert len(hits) == 1, f"expected one {kind} {name or ''}, found {len(hits)}"
+    return hits[0]
+
+
+def worker(resources: list[Resource]) -> dict[str, Any]:
+    pod = only(resources, "StatefulSet")["spec"]["template"]["spec"]
+    return next(c for c in pod["containers"] if c["name"] == "worker")
+
+
+def config_toml(resources: list[Resource]) -> str:
+    return str(only(resources, "ConfigMap", _config_map_name(resources))["data"]["config.toml"])
+
+
+def _config_map_name(resources: list[Resource]) -> str:
+    pod = only(resources, "StatefulSet")["spec"]["template"]["spec"]
+    return next(v["configMap"]["name"] for v in pod["volumes"] if v["name"] == "config")
+
+
+def pod_environ(container: dict[str, Any]) -> dict[str, str]:
+    """The container's STREAMREC_* environment as the kubelet would set it in pod 0."""
+    out = {}
+    for env in container.get("env", []):
+        if "value" in env:
+            out[env["name"]] = env["value"]
+        elif env["valueFrom"].get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            out[env["name"]] = POD_NAME
+    return out
+
+
+# --- schema validation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_rendered_object_passes_its_schema(rendered: list[Resource], version: str) -> None:
+    for resource in rendered:
+        name = f"{resource['kind']}/{resource['metadata']['name']}"
+        if resource["kind"] in CRD_SCHEMAS:
+            schema = json.loads((SCHEMAS / CRD_SCHEMAS[resource["kind"]]).read_text())
+            jsonschema.Draft202012Validator(schema).validate(resource)
+            continue
+        try:
+            kubernetes_validate.validate(resource, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{name} invalid for Kubernetes {version} at {path}: {exc.message}")
+
+
+def test_validators_reject_a_misspelt_field() -> None:
+    # Guards against a validator that silently accepts anything (wrong schema dir, lax mode).
+    statefulset = only(Kustomization(OVERLAYS["base"]).render(), "StatefulSet")
+    statefulset["spec"]["template"]["spec"]["terminationGracePeriod"] = 60
+    with pytest.raises(kubernetes_validate.ValidationError, match="terminationGracePeriod"):
+        kubernetes_validate.validate(statefulset, K8S_VERSIONS[0], strict=True)
+    scaled = only(Kustomization(OVERLAYS["gpu"]).render(), "ScaledObject")
+    scaled["spec"]["maxReplicas"] = 12
+    schema = json.loads((SCHEMAS / "scaledobject.json").read_text())
+    with pytest.raises(jsonschema.ValidationError, match="maxReplicas"):
+        jsonschema.Draft202012Validator(schema).validate(scaled)
+
+
+def test_every_yaml_file_under_deploy_is_rendered_somewhere() -> None:
+    files = {p for p in K8S.rglob("*.yaml") if not p.name.startswith("kustomization")}
+    used: set[Path] = set()
+    for kustomization in K8S.rglob("kustomization.yaml"):
+        doc = load_documents(kustomization)[0]
+        used |= {(kustomization.parent / f).resolve() for f in doc.get("resources", [])}
+        used |= {(kustomization.parent / p["path"]).resolve() for p in doc.get("patches", [])}
+    assert {p.resolve() for p in files} <= used, "a manifest no kustomization includes"
+
+
+# --- invariants -------------------------------------------------------------------------
+
+
+def test_config_map_loads_with_the_worker_config_loader(
+    rendered: list[Resource], tmp_path: Path
+) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(config_toml(rendered))
+    config = load_config(path, environ=pod_environ(worker(rendered)))
+    assert config.group.group_instance_id == POD_NAME
+    assert config.store.url.startswith("redis://"), "more than one replica needs Redis"
+    assert config.model.model_dir == Path("/opt/streamrec/model")
+
+
+def test_grace_period_exceeds_the_drain_bound(rendered: list[Resource]) -> None:
+    drain_s = tomllib.loads(config_toml(rendered))["group"]["drain_timeout_s"]
+    pod = only(rendered, "StatefulSet")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > drain_s + 10
+
+
+def test_group_instance_id_is_the_pod_name(rendered: list[Resource]) -> None:
+    env = {e["name"]: e for e in worker(rendered)["env"]}
+    field = env["STREAMREC_GROUP__GROUP_INSTANCE_ID"]["valueFrom"]["fieldRef"]
+    assert field["fieldPath"] == "metadata.name"
+    pod = only(rendered, "StatefulSet")["spec"]["template"]["spec"]
+    assert pod["enableServiceLinks"] is False, "service links inject unknown STREAMREC_* vars"
+
+
+def test_probes_hit_health_endpoints_on_the_metrics_port(rendered: list[Resource]) -> None:
+    container = worker(rendered)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    http_port = tomllib.loads(config_toml(rendered))["http"]["port"]
+    assert ports == {"metrics": http_port}
+    expected = {
+        "startupProbe": "/healthz",
+        "livenessProbe": "/healthz",
+        "readinessProbe": "/readyz",
+    }
+    for probe, path in expected.items():
+        assert container[probe]["httpGet"] == {"path": path, "port": "metrics"}
+    for service in (r for r in rendered if r["kind"] == "Service"):
+        assert [p["targetPort"] for p in service["spec"]["ports"]] == ["metrics"]
+
+
+def test_every_container_runs_as_non_root(rendered: list[Resource]) -> None:
+    pod = only(rendered, "StatefulSet")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] > 0
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        context = container["securityContext"]
+        assert context["runAsNonRoot"] is True
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"]["drop"] == ["ALL"]
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    uid = re.search(r"^ARG UID=(\d+)$", dockerfile, re.M)
+    assert uid is not None and int(uid.group(1)) == pod["securityContext"]["runAsUser"]
+
+
+def test_mounts_and_selectors_resolve(rendered: list[Resource]) -> None:
+    statefulset = only(rendered, "StatefulSet")
+    pod = statefulset["spec"]["template"]["spec"]
+    volumes = {v["name"] for v in pod["volumes"]}
+    volumes |= {t["metadata"]["name"] for t in statefulset["spec"].get("volumeClaimTemplates", [])}
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        assert {m["name"] for m in container["volumeMounts"]} <= volumes
+    labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    assert statefulset["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert (
+        only(rendered, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"]
+        == (statefulset["spec"]["selector"]["matchLabels"])
+    )
+    headless = only(rendered, "Service", statefulset["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert pod["serviceAccountName"] == only(rendered, "ServiceAccount")["metadata"]["name"]
+
+
+def test_gpu_overlay_requests_one_gpu_and_keeps_the_aoti_cache(gpu: list[Resource]) -> None:
+    statefulset = only(gpu, "StatefulSet")
+    pod = statefulset["spec"]["template"]["spec"]
+    for container in pod["initContainers"] + pod["containers"]:
+        resources = container["resources"]
+        assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    assert pod["nodeSelector"]
+    assert "aoti-cache" not in {v["name"] for v in pod["volumes"]}
+    assert [t["metadata"]["name"] for t in statefulset["spec"]["volumeClaimTemplates"]] == [
+        "aoti-cache"
+    ]
+    environ = pod_environ(worker(gpu))
+    assert environ["STREAMREC_MODEL__DEVICE"] == "cuda"
+    assert environ["STREAMREC_MODEL__REQUIRE_AOTI"] == "true"
+    assert pod["initContainers"][0]["args"][0] == "export"
+
+
+def test_autoscaling_never_exceeds_the_partition_count(gpu: list[Resource]) -> None:
+    scaled = only(gpu, "ScaledObject")
+    partitions = int(scaled["metadata"]["annotations"]["streamrec.dev/input-partitions"])
+    spec = scaled["spec"]
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"] <= partitions
+    statefulset = only(gpu, "StatefulSet")
+    assert "replicas" not in statefulset["spec"], "KEDA owns the replica count"
+    base_replicas = only(Kustomization(OVERLAYS["base"]).render(), "StatefulSet")["spec"]
+    assert base_replicas["replicas"] <= partitions
+    target = spec["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("StatefulSet", statefulset["metadata"]["name"])
+    config = tomllib.loads(config_toml(gpu))
+    topics = {config["topics"]["playback"], config["topics"]["interaction"]}
+    assert {t["metadata"]["topic"] for t in spec["triggers"]} == topics
+    for trigger in spec["triggers"]:
+        assert trigger["type"] == "kafka"
+        assert trigger["metadata"]["consumerGroup"] == config["group"]["group_id"]
+        assert trigger["metadata"]["bootstrapServers"] == config["kafka"]["bootstrap_servers"]
+        assert trigger["metadata"]["allowIdleConsumers"] == "false"
+
+
+# --- alerts, dashboard and the metrics contract -----------------------------------------
+
+_SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
+_IDENTIFIER = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_BUCKET_LABEL = frozenset({"le"})
+
+
+def promql_metrics(expr: str) -> set[str]:
+    """Names that can only be metrics: ours (streamrec_*), kube_*, up, recording rules."""
+    without_strings = re.sub(r'"[^"]*"', '""', expr)
+    names = set(_IDENTIFIER.findall(without_strings))
+    return {n for n in names if n.startswith(("streamrec", "kube_")) or n == "up"}
+
+
+def contract_name(metric: str) -> str | None:
+    """The contract metric a series name belongs to (histograms: _bucket/_sum/_count)."""
+    if metric in CONTRACT_METRICS:
+        return metric
+    base, _, suffix = metric.rpartition("_")
+    if suffix in ("bucket", "sum", "count") and CONTRACT_METRICS.get(base, ("",))[0] == "histogram":
+        return base
+    return None
+
+
+def check_expression(expr: str, recorded: set[str]) -> None:
+    assert expr.count("(") == expr.count(")") and expr.count("[") == expr.count("]"), expr
+    for metric in promql_metrics(expr):
+        if metric in recorded or metric in EXTERNAL_METRICS:
+            continue
+        assert contract_name(metric) is not None, f"{metric!r} is not in the metrics contract"
+    for metric, selector in _SELECTOR.findall(re.sub(r'"[^"]*"', '""', expr)):
+        name = contract_name(metric)
+        if name is None:
+            continue
+        labels = {m.split("=")[0].strip(" !~") for m in selector.split(",") if m.strip()}
+        allowed = CONTRACT_METRICS[name][1] | TARGET_LABELS
+        if metric.endswith("_bucket"):
+            allowed = allowed | _BUCKET_LABEL
+        assert labels <= allowed, f"{metric} selects unknown labels {labels - allowed}"
+
+
+def test_alert_rules_cover_the_required_conditions(gpu: list[Resource]) -> None:
+    rules = [rule for g in only(gpu, "PrometheusRule")["spec"]["groups"] for rule in g["rules"]]
+    recorded = {r["record"] for r in rules if "record" in r}
+    alerts = {r["alert"]: r for r in rules if "alert" in r}
+    assert alerts.keys() >= REQUIRED_ALERTS
+    readme = (DEPLOY / "README.md").read_text()
+    for rule in rules:
+        check_expression(rule["expr"], recorded)
+    for name, rule in alerts.items():
+        assert rule["annotations"]["runbook"] == f"deploy/README.md#{name.lower()}"
+        assert f"\n### {name}\n" in readme, f"README has no runbook section for {name}"
+
+
+def test_dashboard_shows_every_contract_metric(gpu: list[Resource]) -> None:
+    dashboard = json.loads(
+        only(gpu, "ConfigMap", "streamrec-dashboard")["data"]["streamrec-dashboard.json"]
+    )
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    used: set[str] = set()
+    for panel in panels:
+        assert panel["targets"], f"panel {panel['title']!r} has no query"
+        for target in panel["targets"]:
+            check_expression(target["expr"], set())
+            used |= {n for m in promql_metrics(target["expr"]) if (n := contract_name(m))}
+    assert used == CONTRACT_METRICS.keys(), f"no panel for {set(CONTRACT_METRICS) - used}"
+    assert only(gpu, "ConfigMap", "streamrec-dashboard")["metadata"]["labels"] == {
+        "grafana_dashboard": "1"
+    }
+
+
+def test_readme_documents_the_metrics_contract() -> None:
+    readme = (DEPLOY / "README.md").read_text()
+    for metric, (kind, labels) in CONTRACT_METRICS.items():
+        row = next((line for line in readme.splitlines() if f"`{metric}`" in line), None)
+        assert row is not None, f"README lacks {metric}"
+        assert kind in row and all(f"`{label}`" in row for label in labels), row
+
+
+def test_dockerfile_pins_the_tested_torch_and_checks_health() -> None:
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    pinned = re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text())
+    assert pinned is not None
+    assert f"ARG TORCH_VERSION={pinned.group(1)}\n" in dockerfile
+    assert re.search(r"^FROM nvidia/cuda:\$\{CUDA_VERSION\}-runtime-", dockerfile, re.M)
+    assert "/healthz" in dockerfile and "EXPOSE 9400" in dockerfile
+    stages = re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.M)
+    assert stages[-1] == "runtime", "the default (last) target must not need a GPU builder"
+    assert "USER ${UID}:${UID}" in dockerfile
+    assert yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["images"]
