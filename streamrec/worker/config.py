@@ -209,10 +209,8 @@ class TopicsConfig(_Section):
     def _validate(self) -> None:
         names = ("playback", "interaction", "output", "dead_letter")
         for name in names:
-            ok = bool(_TOPIC_NAME.match(getattr(self, name))) and getattr(self, name) not in (
-                ".",
-                "..",
-            )
+            topic = getattr(self, name)
+            ok = _TOPIC_NAME.match(topic) is not None and topic not in (".", "..")
             self._require(ok, name, "is not a legal Kafka topic name ([A-Za-z0-9._-]{1,249})")
         seen: dict[str, str] = {}
         for name in names:

@@ -20,6 +20,7 @@ import struct
 import subprocess
 import tempfile
 import time
+import uuid
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -29,7 +30,7 @@ from streamrec.errors import BrokerError
 
 _T = TypeVar("_T")
 
-_API_VERSIONS_KEY = 18
+_METADATA_KEY = 3
 _TOPIC_ALREADY_EXISTS = 36
 _LOG_TAIL_BYTES = 2_000
 
@@ -52,9 +53,8 @@ def resolve_broker_binary() -> Path:
 def free_port(host: str = "127.0.0.1", port: int = 0) -> int:
     """A port that is free right now (0 = let the kernel pick one).
 
-    Checked before every launch because Tansu binds with SO_REUSEPORT: started on the port
-    of another running Tansu it does not fail but shares the port, and clients would reach
-    either broker at random.
+    Checked before every launch: Tansu on a taken port exits (with status 0) only some
+    milliseconds after start, and meanwhile whatever owns the port answers for it.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -65,23 +65,50 @@ def free_port(host: str = "127.0.0.1", port: int = 0) -> int:
         return chosen
 
 
-def _api_versions_ok(host: str, port: int, timeout_s: float) -> bool:
-    """True when a Kafka ApiVersions v0 request gets a well-formed, error-free answer.
+def _cluster_id(host: str, port: int, timeout_s: float) -> str | None:
+    """The cluster id that the broker on ``host:port`` reports (Metadata v2), or None.
 
-    A bare TCP connect is not enough: the listener socket opens before the broker serves.
+    A bare TCP connect is not enough: the listener opens before the broker serves, and
+    the id tells our broker from another one that answered on the same port.
     """
     client_id = b"streamrec-devbroker"
-    body = struct.pack(">hhih", _API_VERSIONS_KEY, 0, 7, len(client_id)) + client_id
+    # header: api_key=3 (Metadata), version 2, correlation id, client id; body: 0 topics
+    request = struct.pack(">hhih", _METADATA_KEY, 2, 7, len(client_id)) + client_id
+    request += struct.pack(">i", 0)
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.sendall(struct.pack(">i", len(body)) + body)
-            header = _recv_exact(sock, 4 + 4 + 2)
+            sock.sendall(struct.pack(">i", len(request)) + request)
+            size_bytes = _recv_exact(sock, 4)
+            if size_bytes is None:
+                return None
+            payload = _recv_exact(sock, struct.unpack(">i", size_bytes)[0])
     except OSError:
-        return False
-    if header is None:
-        return False
-    _size, correlation_id, error_code = struct.unpack(">iih", header)
-    return correlation_id == 7 and error_code == 0
+        return None
+    if payload is None:
+        return None
+    try:
+        return _parse_metadata_v2_cluster_id(payload)
+    except struct.error:
+        return None
+
+
+def _parse_metadata_v2_cluster_id(payload: bytes) -> str | None:
+    # v2 layout: correlation id, brokers [id, host, port, rack?], cluster_id?, ... (no
+    # throttle time before v3)
+    correlation_id, n_brokers = struct.unpack_from(">ii", payload, 0)
+    if correlation_id != 7:
+        return None
+    pos = 8
+    for _ in range(n_brokers):
+        pos += 4  # node id
+        (host_len,) = struct.unpack_from(">h", payload, pos)
+        pos += 2 + host_len + 4  # host, port
+        (rack_len,) = struct.unpack_from(">h", payload, pos)
+        pos += 2 + max(rack_len, 0)
+    (id_len,) = struct.unpack_from(">h", payload, pos)
+    if id_len < 0:
+        return None
+    return payload[pos + 2 : pos + 2 + id_len].decode("utf-8", errors="replace")
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -176,9 +203,12 @@ class DevBroker:
         """Start one process; False if it died early and another port should be tried."""
         assert self._log_path is not None
         url = f"tcp://{self._host}:{port}"
+        cluster_id = f"streamrec-dev-{uuid.uuid4().hex[:12]}"
         cmd = [
             str(binary),
             "broker",
+            "--cluster-id",
+            cluster_id,
             "--listener-url",
             url,
             "--advertised-listener-url",
@@ -197,7 +227,7 @@ class DevBroker:
                         f"log {str(self._log_path)!r}:\n{self._log_tail()}"
                     )
                 return False
-            if _api_versions_ok(self._host, port, timeout_s=0.5):
+            if _cluster_id(self._host, port, timeout_s=0.5) == cluster_id:
                 self._proc = proc
                 return True
             time.sleep(0.02)

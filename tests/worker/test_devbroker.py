@@ -128,7 +128,7 @@ def test_binary_that_never_answers_times_out(tmp_path: Path) -> None:
 
 def test_port_in_use_by_another_broker_is_reported(broker: DevBroker) -> None:
     port = int(broker.bootstrap_servers.rsplit(":", 1)[1])
-    # Tansu itself would share the port (SO_REUSEPORT) instead of failing.
+    # Tansu itself would exit with status 0 a moment later while the other one answers.
     with pytest.raises(BrokerError, match=f"port 127.0.0.1:{port} is not free"):
         DevBroker(port=port).start()
 
@@ -142,3 +142,18 @@ def test_cannot_start_twice(broker: DevBroker) -> None:
     with pytest.raises(BrokerError, match="already running"):
         broker.start()
     assert os.path.exists(str(broker.log_path))
+
+
+def test_port_taken_after_the_check_is_not_mistaken_for_ready(
+    broker: DevBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The race free_port cannot close: the port is taken between the check and the launch.
+    # The other broker answers on it, but with another cluster id, so start() must not
+    # report success; the new process exits and start() gives up after its retries.
+    import streamrec.worker.devbroker as devbroker_module
+
+    taken = int(broker.bootstrap_servers.rsplit(":", 1)[1])
+    monkeypatch.setattr(devbroker_module, "free_port", lambda host, port=0: taken)
+    with pytest.raises(BrokerError, match="exited with code 0"):
+        DevBroker(start_timeout_s=5.0).start()
+    assert broker.running
