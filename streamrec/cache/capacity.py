@@ -63,3 +63,24 @@ def capacity_report(
             _users(store_budget_bytes, store_user),
         ),
     ]
+
+
+def capacity_table(rows: list[tuple[str, int, CapacityRow]]) -> str:
+    """Plain-text table of ``(model name, block size, row)`` triples, for CLIs and benches."""
+    line = "{:<10} {:>5} {:>8} {:<14} {:>14} {:>10} {:>12}"
+    out = [line.format("model", "block", "history", "tier", "bytes/user", "budget GiB", "users")]
+    for model, block_size, row in rows:
+        budget = "-" if row.budget_bytes is None else f"{row.budget_bytes / 2**30:.0f}"
+        users = "-" if row.users is None else f"{row.users:,}"
+        out.append(
+            line.format(
+                model,
+                block_size,
+                row.history_len,
+                row.tier,
+                f"{row.bytes_per_user:,}",
+                budget,
+                users,
+            )
+        )
+    return "\n".join(out)

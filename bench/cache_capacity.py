@@ -1,0 +1,70 @@
+"""Users per cache tier for the reference models: how far 100 GiB of GPU KV pool goes.
+
+Pure arithmetic (no device needed); ``streamrec bench cache-capacity`` prints the same.
+
+    .venv/bin/python -m bench.cache_capacity [--gpu-gib 100] [--host-gib 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from bench.reference_config import REFERENCE_WORKLOADS
+from streamrec.cache.capacity import CapacityRow, capacity_report, capacity_table
+from streamrec.cache.kv_cache import KVCacheConfig
+
+RESULTS = Path(__file__).parent / "results" / "cache_capacity.json"
+GIB = 2**30
+
+
+def reference_rows(
+    gpu_gib: float,
+    host_gib: float,
+    store_gib: float | None,
+    block_sizes: tuple[int, ...] = (16, 32),
+    history_lens: tuple[int, ...] = (1000, 2048, 4096),
+) -> list[tuple[str, int, CapacityRow]]:
+    rows: list[tuple[str, int, CapacityRow]] = []
+    for workload in REFERENCE_WORKLOADS:
+        for block_size in block_sizes:
+            kv = KVCacheConfig(
+                num_layers=workload.num_layers,
+                num_heads=workload.num_heads,
+                head_dim=workload.head_dim,
+                block_size=block_size,
+                dtype=getattr(torch, workload.dtype),
+            )
+            for history_len in history_lens:
+                report = capacity_report(
+                    kv,
+                    history_len,
+                    int(gpu_gib * GIB),
+                    int(host_gib * GIB),
+                    None if store_gib is None else int(store_gib * GIB),
+                )
+                rows.extend((workload.name, block_size, row) for row in report)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu-gib", type=float, default=100.0)
+    parser.add_argument("--host-gib", type=float, default=64.0)
+    parser.add_argument("--store-gib", type=float, default=64.0, help="history store memory")
+    args = parser.parse_args(argv)
+    rows = reference_rows(args.gpu_gib, args.host_gib, args.store_gib)
+    print(capacity_table(rows))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    records = [{"model": m, "block_size": b, **asdict(r)} for m, b, r in rows]
+    RESULTS.write_text(json.dumps(records, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
