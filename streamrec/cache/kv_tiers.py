@@ -70,6 +70,10 @@ class KVTiers:
     def ensure_room(self, demands: Mapping[UserKey, int]) -> Admission | NoRoom:
         """Pin the batch and make room for ``demands[user]`` more tokens of every user."""
         pool, host, bs = self.cache.pool, self.host, self.cache.block_size
+        for user, n in demands.items():
+            if n < 0:
+                raise CacheError(f"negative token count {n} for user {user!r}")
+            window_blocks_to_drop(0, n, self.max_seq_len, bs)  # raises past max_seq_len
         outcomes = self.resolve(demands)
         pool.pin(demands)
         trimmed = 0
@@ -85,7 +89,6 @@ class KVTiers:
                 trimmed += host.drop_oldest_blocks(user, k)
                 needed += max(host.user_blocks(user), math.ceil((host.length(user) + n) / bs))
             else:
-                window_blocks_to_drop(0, n, self.max_seq_len, bs)  # validates n
                 needed += pool.blocks_for(None, n)
         if pool.plan_eviction(needed) is None:
             pool.unpin(demands)

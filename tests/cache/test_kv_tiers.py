@@ -58,6 +58,9 @@ def test_sliding_window_applies_before_room_is_counted() -> None:
     assert tiers.cache.pool.length("u") == 10
     with pytest.raises(CacheError, match="13 new tokens"):
         tiers.ensure_room({"u": 13})
+    with pytest.raises(CacheError, match="-1 for user 'v'"):
+        tiers.ensure_room({"u": 1, "v": -1})
+    assert tiers.stats().pool.pinned_users == 0  # misuse pins nobody
 
 
 def test_no_room_unpins_the_batch_and_evicts_nobody() -> None:
@@ -86,3 +89,46 @@ def test_without_host_tier_evicted_users_are_dropped() -> None:
     assert tiers.resolve(["b", "c"]) == {"b": MISS, "c": MISS}
     with pytest.raises(CacheError, match="ensure_room"):
         tiers.append("b", 100)
+
+
+def _churn(device: str) -> None:
+    """Random steps over more users than the GPU holds: every cached byte must survive."""
+    cfg = KVCacheConfig(num_layers=2, num_heads=2, head_dim=8, block_size=4, dtype=torch.bfloat16)
+    cache = KVCache(cfg, num_blocks=24, device=device)
+    tiers = KVTiers(cache, HostTier(cache, num_blocks=40), max_seq_len=16)
+    gen = torch.Generator().manual_seed(11)
+    shadow: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # user -> (k, ts) on the CPU
+    for step in range(120):
+        batch = {f"u{int(i)}": int(n) for i, n in torch.randint(0, 16, (3, 2), generator=gen)}
+        batch = {u: max(1, n % 6) for u, n in batch.items()}
+        admission = tiers.ensure_room(batch)
+        assert isinstance(admission, Admission), (step, admission)
+        for user in admission.dropped:
+            shadow.pop(user, None)
+        for user, n in batch.items():
+            if admission.outcomes[user] is MISS:
+                shadow.pop(user, None)
+            else:  # what is left after the window must be the newest tokens
+                k, _, ts = cache.read(user)
+                want_k, want_ts = shadow[user]
+                assert torch.equal(k.cpu(), want_k[:, want_k.shape[1] - k.shape[1] :])
+                assert torch.equal(ts.cpu(), want_ts[want_ts.shape[0] - ts.shape[0] :])
+            new_k = torch.randn(2, n, 2, 8, generator=gen).to(torch.bfloat16)
+            new_ts = torch.randint(0, 2**40, (n,), generator=gen)
+            cache.write(tiers.append(user, n), new_k, -new_k, new_ts)
+            k_all, _, ts_all = cache.read(user)
+            shadow[user] = (k_all.cpu(), ts_all.cpu())
+        tiers.unpin(batch)
+    stats = tiers.stats()
+    assert stats.host is not None and stats.host.offloads > 10 and stats.host.onloads > 10
+
+
+def test_churn_keeps_every_byte_on_cpu() -> None:
+    _churn("cpu")
+
+
+@pytest.mark.gpu
+def test_churn_keeps_every_byte_on_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _churn("cuda")
