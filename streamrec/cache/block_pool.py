@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +24,7 @@ import numpy.typing as npt
 from streamrec.cache.stats import BlockPoolStats
 from streamrec.errors import CacheError
 
-UserKey = Hashable
+UserKey = str  # the Kafka record key, as everywhere in streamrec
 # Flat slot ids of new tokens: block_id * block_size + offset_in_block.
 Slots = npt.NDArray[np.int64]
 # Called with (user, block_ids, length) just before an evicted user's blocks are freed.
