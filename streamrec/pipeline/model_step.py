@@ -1,0 +1,218 @@
+"""One engine step on the device: admit the batch into the KV tiers, encode, score.
+
+This is the only place that turns per-user deltas into tensors. It runs on the engine's
+own thread (never the event loop) and touches the cache metadata and tensors, so the
+engine calls it for one batch at a time. Cache capacity is a return value all the way
+down: when the pool cannot hold the whole batch even after evicting every unpinned user,
+the step splits the batch and runs the halves one after the other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from streamrec.cache.block_pool import NoRoom
+from streamrec.cache.kv_tiers import Admission, CacheOutcome, KVTiers
+from streamrec.errors import PipelineError
+from streamrec.pipeline.scorer import ScoredUsers, Scorer
+from streamrec.pipeline.serving_model import ServingModel
+
+IntArray = np.ndarray
+
+
+@dataclass(frozen=True)
+class UserWork:
+    """What one user brings to a step.
+
+    ``tokens`` are ``[n, 3]`` rows of ``(item_row, action, ts_ms)``. With ``prefill`` set
+    they are the user's whole (window-capped) history and the cache entry is rebuilt from
+    them; otherwise they are only the new tokens and are appended to a cached entry.
+    ``recent`` are the item rows the retrieval must not return (newest last).
+    """
+
+    user_id: str
+    tokens: IntArray  # [n, 3] int64
+    prefill: bool
+    recent: IntArray  # [E] int64
+    version: int  # tokens ever appended for the user, this step's included
+
+
+@dataclass(frozen=True)
+class UserOutput:
+    user_id: str
+    version: int
+    outcome: CacheOutcome
+    items: IntArray  # [top_k] item rows, best first
+    scores: IntArray  # [top_k] float
+    task_scores: IntArray | None  # [top_k, tasks] or None without ranking
+
+
+@dataclass
+class StepTimings:
+    """Seconds per phase, summed over the sub-steps of a split batch."""
+
+    admit: float = 0.0
+    prefill: float = 0.0
+    extend: float = 0.0
+    retrieve: float = 0.0
+    rank: float = 0.0
+    splits: int = 0
+    tokens_prefilled: int = 0
+    tokens_extended: int = 0
+    evicted: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    # Incremental users whose cache vanished before their turn (a split batch's earlier
+    # half evicted them past the host tier): the engine rebuilds them from the store.
+    lost: list[str] = field(default_factory=list)
+
+    def merge(self, other: StepTimings) -> None:
+        for name in ("admit", "prefill", "extend", "retrieve", "rank", "splits"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.tokens_prefilled += other.tokens_prefilled
+        self.tokens_extended += other.tokens_extended
+        self.evicted += other.evicted
+        self.dropped += other.dropped
+
+    def as_ms(self) -> dict[str, float]:
+        return {
+            name: round(getattr(self, name) * 1000.0, 3)
+            for name in ("admit", "prefill", "extend", "retrieve", "rank")
+        }
+
+
+class ModelStep:
+    """Runs ``prefill`` for rebuilt users and one jagged ``extend`` for the rest."""
+
+    def __init__(
+        self,
+        model: ServingModel,
+        tiers: KVTiers,
+        scorer: Scorer,
+        device: torch.device,
+        sync: Callable[[], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.tiers = tiers
+        self.scorer = scorer
+        self.device = device
+        # Phase timings are only honest if the device has finished the phase's kernels.
+        self._sync = sync or (lambda: None)
+
+    def run(self, work: Sequence[UserWork]) -> tuple[list[UserOutput], StepTimings]:
+        timings = StepTimings()
+        outputs = self._run(list(work), timings)
+        return outputs, timings
+
+    def _run(self, work: list[UserWork], timings: StepTimings) -> list[UserOutput]:
+        if not work:
+            return []
+        start = time.perf_counter()
+        rebuild = [w.user_id for w in work if w.prefill]
+        self.tiers.drop(rebuild)  # a stale entry must not survive a rebuild
+        where = self.tiers.resolve(w.user_id for w in work if not w.prefill)
+        lost = {user for user, outcome in where.items() if outcome is CacheOutcome.MISS}
+        if lost:
+            timings.lost.extend(sorted(lost))
+            work = [w for w in work if w.user_id not in lost]
+            if not work:
+                return []
+        demands = {w.user_id: int(w.tokens.shape[0]) for w in work}
+        admission = self.tiers.ensure_room(demands)
+        timings.admit += time.perf_counter() - start
+        if isinstance(admission, NoRoom):
+            if len(work) == 1:
+                raise PipelineError(
+                    f"user {work[0].user_id!r} needs {admission.needed} KV blocks but the "
+                    f"pool has {self.tiers.cache.num_blocks} in all: raise the KV budget or "
+                    "lower max_seq_len"
+                )
+            timings.splits += 1
+            half = len(work) // 2
+            return self._run(work[:half], timings) + self._run(work[half:], timings)
+        try:
+            return self._admitted(work, admission, timings)
+        finally:
+            self.tiers.unpin(demands)
+
+    def _admitted(
+        self, work: list[UserWork], admission: Admission, timings: StepTimings
+    ) -> list[UserOutput]:
+        timings.evicted.extend(str(u) for u in admission.evicted)
+        timings.dropped.extend(str(u) for u in admission.dropped)
+        fresh = [w for w in work if admission.outcomes[w.user_id] is CacheOutcome.MISS]
+        cached = [w for w in work if admission.outcomes[w.user_id] is not CacheOutcome.MISS]
+        emb: dict[str, torch.Tensor] = {}
+
+        start = time.perf_counter()
+        if fresh:
+            emb.update(self._prefill(fresh))
+            timings.tokens_prefilled += sum(int(w.tokens.shape[0]) for w in fresh)
+        self._sync()
+        timings.prefill += time.perf_counter() - start
+
+        start = time.perf_counter()
+        if cached:
+            emb.update(self._extend(cached))
+            timings.tokens_extended += sum(int(w.tokens.shape[0]) for w in cached)
+        self._sync()
+        timings.extend += time.perf_counter() - start
+
+        users = [w.user_id for w in work]
+        scored: ScoredUsers = self.scorer.score(
+            torch.stack([emb[u] for u in users]),
+            [w.recent for w in work],
+            [int(w.tokens[-1, 2]) for w in work],
+            users,
+            timings,
+        )
+        return [
+            UserOutput(
+                user_id=w.user_id,
+                version=w.version,
+                outcome=admission.outcomes[w.user_id],
+                items=scored.items[row],
+                scores=scored.scores[row],
+                task_scores=None if scored.task_scores is None else scored.task_scores[row],
+            )
+            for row, w in enumerate(work)
+        ]
+
+    def _jagged(self, work: list[UserWork]) -> tuple[torch.Tensor, ...]:
+        tokens = np.concatenate([w.tokens for w in work])  # [T, 3]
+        lengths = np.fromiter((w.tokens.shape[0] for w in work), np.int64, len(work))
+        offsets = np.zeros(len(work) + 1, dtype=np.int64)  # [B+1]
+        np.cumsum(lengths, out=offsets[1:])
+        t = torch.from_numpy(np.ascontiguousarray(tokens.T)).to(self.device)  # [3, T]
+        return t[0], t[1], t[2], torch.from_numpy(offsets).to(self.device)
+
+    def _write(
+        self, work: list[UserWork], k: torch.Tensor, v: torch.Tensor, ts: torch.Tensor
+    ) -> None:
+        slots = np.concatenate(
+            [
+                np.asarray(self.tiers.append(w.user_id, int(w.tokens.shape[0])), np.int64)
+                for w in work
+            ]
+        )  # [T]
+        self.tiers.cache.write(slots, k, v, ts)
+
+    def _prefill(self, work: list[UserWork]) -> dict[str, torch.Tensor]:
+        items, actions, ts, offsets = self._jagged(work)
+        k, v, user_emb = self.model.prefill(items, actions, ts, offsets)  # [Lyr,T,H,d], [B,D]
+        self._write(work, k, v, ts)
+        return {w.user_id: user_emb[row] for row, w in enumerate(work)}
+
+    def _extend(self, work: list[UserWork]) -> dict[str, torch.Tensor]:
+        items, actions, ts, offsets = self._jagged(work)
+        cache = self.tiers.cache
+        tables, lens = cache.batch_tables([w.user_id for w in work])  # [B, MB], [B]
+        k, v, user_emb = self.model.extend(
+            items, actions, ts, offsets, cache.kv, cache.ts, tables, lens
+        )
+        self._write(work, k, v, ts)
+        return {w.user_id: user_emb[row] for row, w in enumerate(work)}

@@ -1,0 +1,190 @@
+"""Engine equivalence under cache pressure (issue 6, acceptance 2)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from streamrec.cache.history_store import open_history_store
+from streamrec.cache.host_tier import HostTier
+from streamrec.cache.kv_cache import KVCache, KVCacheConfig
+from streamrec.cache.kv_tiers import KVTiers
+from streamrec.errors import StoreError
+from streamrec.models.config import HSTUConfig
+from streamrec.models.hstu import HSTU
+from streamrec.models.vocabulary import ItemVocabulary
+from streamrec.pipeline.delta import Delta, UserDelta
+from streamrec.pipeline.engine import Engine, EngineConfig
+from streamrec.pipeline.micro_batcher import Batch, ReleaseReason
+from streamrec.pipeline.reference import full_recompute
+from streamrec.pipeline.scorer import ScoringConfig
+
+MAX_SEQ_LEN = 64
+BLOCK_SIZE = 4
+
+
+def _model(num_known: int, seed: int = 0) -> tuple[HSTU, ItemVocabulary]:
+    torch.manual_seed(seed)
+    vocab = ItemVocabulary([f"i{n}" for n in range(num_known)], num_oov_buckets=4)
+    config = HSTUConfig(
+        num_items=vocab.size,
+        num_oov_buckets=4,
+        d_model=32,
+        num_layers=2,
+        num_heads=2,
+        head_dim=16,
+        max_seq_len=MAX_SEQ_LEN,
+        num_time_buckets=16,
+    )
+    return HSTU(config).eval(), vocab
+
+
+def _stream(n_events: int, n_users: int, n_items: int, seed: int) -> list[Delta]:
+    rng = np.random.default_rng(seed)
+    ts = {f"u{u}": 1_700_000_000_000 + int(rng.integers(0, 10**6)) for u in range(n_users)}
+    next_offset = {("pb", p): 0 for p in range(4)} | {("ia", p): 0 for p in range(4)}
+    out = []
+    for _ in range(n_events):
+        user = f"u{int(rng.integers(0, n_users))}"
+        topic = "pb" if rng.random() < 0.7 else "ia"
+        partition = int(user[1:]) % 4
+        offset = next_offset[(topic, partition)]
+        next_offset[(topic, partition)] += 1
+        ts[user] += int(rng.integers(1_000, 600_000))
+        item = f"i{int(rng.integers(0, n_items + 3))}"  # a few unknown ids -> OOV buckets
+        out.append(Delta(user, item, int(rng.integers(1, 12)), ts[user], topic, partition, offset))
+    return out
+
+
+def _batches(stream: list[Delta], events_per_batch: int) -> list[Batch]:
+    batches = []
+    for seq, start in enumerate(range(0, len(stream), events_per_batch)):
+        chunk = stream[start : start + events_per_batch]
+        by_user: dict[str, list[Delta]] = {}
+        for d in chunk:
+            by_user.setdefault(d.user_id, []).append(d)
+        users = tuple(UserDelta(u, tuple(ds)) for u, ds in by_user.items())
+        batches.append(Batch(seq, users, ReleaseReason.SIZE, 0.0, len(chunk)))
+    return batches
+
+
+def _engine(model: HSTU, vocab: ItemVocabulary, gpu_blocks: int, host_blocks: int, store) -> Engine:
+    cfg = model.config
+    cache = KVCache(
+        KVCacheConfig(cfg.num_layers, cfg.num_heads, cfg.head_dim, BLOCK_SIZE, torch.float32),
+        gpu_blocks,
+        "cpu",
+    )
+    host = HostTier(cache, host_blocks) if host_blocks else None
+    tiers = KVTiers(cache, host, cfg.max_seq_len)
+    scoring = ScoringConfig(top_k=10, num_candidates=24, exclude_recent=5)
+    return Engine(
+        model,
+        tiers,
+        store,
+        vocab,
+        cfg.task_names,
+        EngineConfig(model_name="test", model_version="v0", scoring=scoring),
+    )
+
+
+def _recompute(model: HSTU, histories, scoring: ScoringConfig):
+    cfg = model.config
+    return full_recompute(
+        model,
+        histories,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        max_seq_len=cfg.max_seq_len,
+        dtype=torch.float32,
+        task_names=cfg.task_names,
+        scoring=scoring,
+        block_size=BLOCK_SIZE,
+    )
+
+
+async def test_incremental_equals_full_recompute_under_eviction() -> None:
+    model, vocab = _model(num_known=300)
+    store = open_history_store("memory://", MAX_SEQ_LEN)
+    # 200 users x ~25 tokens need ~1,400 blocks; the GPU pool holds 90, the host 160.
+    engine = _engine(model, vocab, gpu_blocks=90, host_blocks=160, store=store)
+    last = {}
+    for batch in _batches(_stream(5_000, 200, 300, seed=1), events_per_batch=40):
+        for result in await engine.process(batch):
+            assert result.recommendation is not None
+            last[result.user_id] = result.recommendation
+    stats = engine.stats()
+    assert stats.gpu_hits > 100 and stats.host_hits > 100 and stats.misses > 200
+    assert stats.tokens_extended > 1_000
+
+    histories = await store.get(sorted(last))
+    expected = _recompute(model, histories, engine.config.scoring)
+    assert set(expected) == set(last) and len(last) == 200
+    for user, rec in last.items():
+        want = expected[user]
+        assert rec.version == histories[user].total_appended
+        assert [item for item, _ in rec.items] == [vocab.external(int(r)) for r in want.items]
+        got_scores = np.array([score for _, score in rec.items])
+        np.testing.assert_allclose(got_scores, want.scores, rtol=1e-5, atol=1e-6)
+    await engine.close()
+
+
+async def test_redelivered_events_rebuild_and_publish_same_state() -> None:
+    model, vocab = _model(num_known=50)
+    store = open_history_store("memory://", MAX_SEQ_LEN)
+    engine = _engine(model, vocab, gpu_blocks=64, host_blocks=0, store=store)
+    stream = _stream(120, 6, 50, seed=2)
+    batches = _batches(stream, events_per_batch=10)
+    first = {}
+    for batch in batches:
+        for result in await engine.process(batch):
+            first[result.user_id] = result.recommendation
+    # The whole stream again (a consumer restarting from an old commit): nothing applies,
+    # every user is rebuilt from the store and gets the same list at the same version.
+    again = {}
+    for batch in batches:
+        for result in await engine.process(batch):
+            again[result.user_id] = result.recommendation
+    assert engine.stats().rebuilds_after_redelivery > 0
+    for user, rec in first.items():
+        assert again[user].version == rec.version
+        assert [i for i, _ in again[user].items] == [i for i, _ in rec.items]
+    await engine.close()
+
+
+class _FlakyStore:
+    """Fault injection: the first ``failures`` appends raise StoreError."""
+
+    def __init__(self, inner, failures: int) -> None:
+        self.inner = inner
+        self.failures = failures
+
+    async def append(self, batch):
+        if self.failures:
+            self.failures -= 1
+            raise StoreError("redis://fake: connection refused")
+        return await self.inner.append(batch)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+async def test_store_outage_is_retried_not_skipped() -> None:
+    model, vocab = _model(num_known=20)
+    store = _FlakyStore(open_history_store("memory://", MAX_SEQ_LEN), failures=3)
+    engine = _engine(model, vocab, gpu_blocks=32, host_blocks=0, store=store)
+    engine_cfg = engine.config
+    assert engine_cfg.store_retry_initial_s < 0.1
+    batch = _batches(_stream(8, 2, 20, seed=3), events_per_batch=8)[0]
+    results = await engine.process(batch)
+    assert engine.stats().store_retries == 3
+    assert all(r.recommendation is not None for r in results)
+    assert sum(len(r.sources) for r in results) == 8
+    await engine.close()
+
+
+def test_engine_config_rejects_bad_backoff() -> None:
+    with pytest.raises(Exception, match="backoff"):
+        EngineConfig(model_name="m", model_version="v", store_retry_initial_s=0.0)
