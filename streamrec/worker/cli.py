@@ -1,11 +1,10 @@
 """The ``streamrec`` command line.
 
 Each subcommand is one handler taking the parsed namespace and returning an exit status.
-Commands that later work delivers are registered with ``_not_yet``; ``run`` already has
-its flags, and the others accept any flags for now, so scripts written against the final
-interface get the plain "not available yet" answer rather than a usage error. Exit
-statuses: 0 success, 1 failure (bad input lines, unreachable broker, bad config),
-2 usage errors and commands not available yet.
+Commands that later work delivers are registered with ``_not_yet`` and accept any flags
+for now, so scripts written against the final interface get the plain "not available yet"
+answer rather than a usage error. Exit statuses: 0 success, 1 failure (bad input lines,
+unreachable broker, bad config), 2 usage errors and commands not available yet.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ EXIT_USAGE: Final = 2
 Handler = Callable[[argparse.Namespace], int]
 
 # Which issue delivers each command that is not implemented yet.
-_DELIVERED_BY: Final = {"run": 7, "demo": 7, "train": 3, "eval": 3, "export": 5, "bench": 8}
+_DELIVERED_BY: Final = {"export": 5, "bench": 8}
 
 # Named flags -> config keys (everything else: --set section.field=value).
 _FLAG_KEYS: Final = {
@@ -190,6 +189,93 @@ def _produce(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if stats.invalid else EXIT_OK
 
 
+def _run(args: argparse.Namespace) -> int:
+    """The worker until SIGTERM/SIGINT (then drain, flush, commit, exit 0)."""
+    import signal
+
+    import uvloop
+
+    from streamrec.worker.app import App
+    from streamrec.worker.logging_setup import configure_logging
+
+    config = effective_config(args)
+    configure_logging(config.log)
+
+    async def serve() -> int:
+        app = App(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, app.stop)
+        return await app.run()
+
+    return uvloop.run(serve())
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from streamrec.worker.config import LogConfig
+    from streamrec.worker.demo import DemoConfig, run_demo
+    from streamrec.worker.logging_setup import configure_logging
+
+    configure_logging(LogConfig(format="text", level=args.log_level))
+    cfg = DemoConfig(
+        events=args.num_events,
+        rate=args.rate,
+        partitions=args.partitions,
+        model_dir=args.model,
+        events_file=args.events,
+        watch_users=args.watch,
+    )
+    asyncio.run(run_demo(cfg))
+    return EXIT_OK
+
+
+def _training_data(args: argparse.Namespace) -> Any:
+    from streamrec.models.datasets import SyntheticSpec, read_movielens, synthetic_log
+
+    if args.events is not None:
+        return read_movielens(args.events)
+    return synthetic_log(SyntheticSpec(seed=args.seed))
+
+
+def _train(args: argparse.Namespace) -> int:
+    from streamrec.models.training import TrainConfig, train
+
+    config = TrainConfig(
+        epochs=args.epochs,
+        seed=args.seed,
+        device=args.device,
+        max_seq_len=args.max_seq_len,
+        seq_len=min(args.max_seq_len, TrainConfig.seq_len),
+    )
+    result = train(_training_data(args), args.out, config)
+    print(
+        f"streamrec train: wrote {result.model_dir} (model_version {result.model_version}, "
+        f"{result.steps} steps, loss {result.final_loss:.4f}, {result.seconds:.1f} s)"
+    )
+    return EXIT_OK
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from streamrec.models.evaluation import evaluate
+
+    evaluate(
+        args.model,
+        _training_data(args),
+        k=args.k,
+        exclude_history=args.exclude_history,
+        device=args.device,
+    )
+    return EXIT_OK
+
+
+def _add_data_flags(parser: argparse.ArgumentParser) -> None:
+    data = parser.add_mutually_exclusive_group()
+    data.add_argument("--synthetic", action="store_true", help="synthetic data (the default)")
+    data.add_argument("--events", type=Path, metavar="RATINGS_CSV", help="MovieLens ratings.csv")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamrec",
@@ -200,12 +286,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the worker against a Kafka cluster")
     _add_config_flags(run, worker=True)
-    run.set_defaults(handler=_not_yet("run"))
+    run.set_defaults(handler=_run)
+
+    demo = sub.add_parser("demo", help="local broker + small model + replayed events")
+    demo.add_argument("--model", type=Path, metavar="DIR", help="serve this model (else train)")
+    demo.add_argument("--events", type=Path, metavar="RATINGS_CSV", help="MovieLens ratings.csv")
+    demo.add_argument("--num-events", type=int, default=5_000, help="events to replay")
+    demo.add_argument("--rate", type=float, default=1_000.0, help="events/s (0 = unpaced)")
+    demo.add_argument("--partitions", type=int, default=4)
+    demo.add_argument("--watch", type=int, default=3, help="users whose updates are printed")
+    demo.add_argument("--log-level", default="WARNING")
+    demo.set_defaults(handler=_demo)
+
+    train = sub.add_parser("train", help="train a model directory")
+    train.add_argument("--out", type=Path, required=True, metavar="DIR")
+    train.add_argument("--epochs", type=int, default=10)
+    train.add_argument("--max-seq-len", type=int, default=200)
+    _add_data_flags(train)
+    train.set_defaults(handler=_train)
+
+    evaluation = sub.add_parser("eval", help="evaluate a model directory offline")
+    evaluation.add_argument("--model", type=Path, required=True, metavar="DIR")
+    evaluation.add_argument("--k", type=int, default=10)
+    evaluation.add_argument("--exclude-history", action="store_true")
+    _add_data_flags(evaluation)
+    evaluation.set_defaults(handler=_eval)
 
     for name, text in (
-        ("demo", "local broker + small model + replayed events"),
-        ("train", "train a model directory"),
-        ("eval", "evaluate a model directory offline"),
         ("export", "compile a model to an AOTInductor package"),
         ("bench", "run a benchmark"),
     ):

@@ -125,6 +125,14 @@ class KafkaConfig(_Section):
     fetch_max_bytes: int = 52_428_800
     max_partition_fetch_bytes: int = 1_048_576
     max_poll_records: int = 2_000
+    # Output producer (recommendations and dead letters). Idempotence needs InitProducerId,
+    # which the dev broker lacks, so it is opt-in.
+    producer_linger_ms: int = 5
+    producer_max_batch_bytes: int = 262_144
+    producer_compression: str | None = None
+    producer_idempotence: bool = False
+    # Start-up: how long to back off at most between attempts while the broker is absent.
+    connect_retry_max_s: float = 10.0
 
     def _validate(self) -> None:
         servers = self.bootstrap_servers.split(",")
@@ -150,6 +158,10 @@ class KafkaConfig(_Section):
             "max_poll_records",
         )
         self._require(self.fetch_max_wait_ms >= 0, "fetch_max_wait_ms", "must be >= 0")
+        self._require(self.producer_linger_ms >= 0, "producer_linger_ms", "must be >= 0")
+        self._positive("producer_max_batch_bytes", "connect_retry_max_s")
+        if self.producer_compression is not None:
+            self._one_of("producer_compression", ("gzip", "snappy", "lz4", "zstd"))
         self._require(
             self.heartbeat_interval_ms < self.session_timeout_ms,
             "heartbeat_interval_ms",
@@ -205,8 +217,10 @@ class TopicsConfig(_Section):
     output: str = "recommendations"
     dead_letter: str = "streamrec-dlq"
     output_format: str = "msgpack"
+    max_record_bytes: int = 65_536  # larger input records are dead-lettered as oversized
 
     def _validate(self) -> None:
+        self._positive("max_record_bytes")
         names = ("playback", "interaction", "output", "dead_letter")
         for name in names:
             topic = getattr(self, name)
@@ -342,9 +356,12 @@ class HttpConfig(_Section):
 
     host: str = "0.0.0.0"
     port: int = 9400
+    # /healthz fails when the consume loop has not made progress for this long.
+    stall_timeout_s: float = 60.0
 
     def _validate(self) -> None:
         self._require(bool(self.host), "host", "must not be empty")
+        self._positive("stall_timeout_s")
         self._require(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
 
 

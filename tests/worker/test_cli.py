@@ -180,10 +180,6 @@ def test_produce_unreachable_broker_is_an_error(
 @pytest.mark.parametrize(
     ("argv", "issue"),
     [
-        (["run", "--group-id", "g", "--require-aoti"], 7),
-        (["demo"], 7),
-        (["train", "--synthetic", "--out", "d"], 3),
-        (["eval"], 3),
         (["export"], 5),
         (["bench", "decode"], 8),
     ],

@@ -1,0 +1,216 @@
+"""Prometheus metrics of one worker: the only module that imports ``prometheus_client``.
+
+The names are a contract with ``deploy/`` (alerts and the dashboard use exactly these; see
+deploy/README.md, "Metrics contract"). Two kinds of sources feed them:
+
+- events the worker itself sees (a record consumed, a dead letter acked, a commit) are
+  counted where they happen, through the small methods below;
+- the core layers (engine, caches, batcher) keep cumulative stats dataclasses and know
+  nothing of Prometheus; ``observe_*``/``sync_*`` turn a snapshot into counter increments
+  (the delta since the previous snapshot) and histogram observations.
+
+Every ``WorkerMetrics`` owns its ``CollectorRegistry``, so several workers in one process
+(the rebalance tests, the demo) never share or collide on global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from streamrec.cache.stats import HistoryStoreStats, KVTiersStats
+from streamrec.pipeline.micro_batcher import Batch
+
+# Latency buckets from 1 ms to 30 s; batch sizes in powers of two up to 1,024 users.
+_LATENCY_BUCKETS: Final = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+_BATCH_BUCKETS: Final = tuple(float(2**i) for i in range(11))
+BACKENDS: Final = ("aoti", "eager")
+
+
+class WorkerMetrics:
+    """The worker's metric families on a private registry."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = "streamrec_"
+        self.events_consumed = Counter(
+            p + "events_consumed", "Records read from an input topic", ["topic"], registry=r
+        )
+        self.events_invalid = Counter(
+            p + "events_invalid",
+            "Undecodable, invalid or oversized input records",
+            ["topic", "kind"],
+            registry=r,
+        )
+        self.dead_letters = Counter(
+            p + "dead_letters", "Records acknowledged on the dead-letter topic", registry=r
+        )
+        self.batch_users = Histogram(
+            p + "batch_users", "Users per micro-batch", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.queue_delay = Histogram(
+            p + "queue_delay_seconds",
+            "Time an event waits in the batcher queue",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            p + "step_seconds",
+            "Engine step time by phase",
+            ["phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.cache_hits = Counter(p + "cache_hits", "Cache hits per tier", ["tier"], registry=r)
+        self.cache_misses = Counter(
+            p + "cache_misses", "Cache misses per tier", ["tier"], registry=r
+        )
+        self.cache_evictions = Counter(
+            p + "cache_evictions", "Evictions per tier", ["tier"], registry=r
+        )
+        self.kv_blocks = Gauge(p + "kv_blocks", "KV pool blocks by state", ["state"], registry=r)
+        self.published = Counter(
+            p + "recommendations_published",
+            "Recommendation records acknowledged by the broker",
+            registry=r,
+        )
+        self.event_to_publish = Histogram(
+            p + "event_to_publish_seconds",
+            "Event arrival to recommendation acknowledged",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.commit_seconds = Histogram(
+            p + "commit_seconds", "Offset commit latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.commits = Counter(p + "commits", "Offset commits", registry=r)
+        self.consumer_lag = Gauge(
+            p + "consumer_lag",
+            "End offset minus committed offset, per owned partition",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self.rebalances = Counter(p + "rebalances", "Consumer-group rebalances seen", registry=r)
+        self.model_backend = Gauge(
+            p + "model_backend", "1 for the model backend in use", ["backend"], registry=r
+        )
+        self.last_commit = Gauge(
+            p + "last_commit_timestamp_seconds",
+            "Unix time of the last successful commit",
+            registry=r,
+        )
+        self._seen: dict[tuple[int, str], float] = {}  # last cumulative value per series
+        self._phase_seconds: dict[str, float] = {}
+        self._lag_series: set[tuple[str, str]] = set()
+
+    # ------------------------------------------------------------------ exposition
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition format and its content type (for ``/metrics``)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    # ------------------------------------------------------------------ direct events
+
+    def consumed(self, topic: str, n: int) -> None:
+        self.events_consumed.labels(topic).inc(n)
+
+    def invalid(self, topic: str, kinds: Mapping[str, int]) -> None:
+        for kind, n in kinds.items():
+            self.events_invalid.labels(topic, kind).inc(n)
+
+    def dead_letter_acked(self) -> None:
+        self.dead_letters.inc()
+
+    def recommendation_acked(self, latency_s: float) -> None:
+        self.published.inc()
+        self.event_to_publish.observe(max(latency_s, 0.0))
+
+    def committed(self, seconds: float, unix_time: float) -> None:
+        self.commits.inc()
+        self.commit_seconds.observe(seconds)
+        self.last_commit.set(unix_time)
+
+    def rebalanced(self) -> None:
+        self.rebalances.inc()
+
+    def set_backend(self, backend: str) -> None:
+        for name in BACKENDS:
+            self.model_backend.labels(name).set(1.0 if name == backend else 0.0)
+
+    def set_lag(self, lags: Mapping[tuple[str, int], int]) -> None:
+        """Replace the lag series: partitions no longer owned disappear."""
+        current = {(topic, str(partition)) for topic, partition in lags}
+        for topic, label in self._lag_series - current:
+            self.consumer_lag.remove(topic, label)
+        for (topic, partition), lag in lags.items():
+            self.consumer_lag.labels(topic, str(partition)).set(max(lag, 0))
+        self._lag_series = current
+
+    # ------------------------------------------------------------------ from stats
+
+    def observe_batch(self, batch: Batch, phase_seconds: Mapping[str, float]) -> None:
+        """One processed batch: its size, its events' queue delays, and step time per phase.
+
+        ``phase_seconds`` is the engine's cumulative per-phase time; the difference to the
+        previous call is this batch's share.
+        """
+        self.batch_users.observe(batch.n_users)
+        for delay in batch.queue_delays_s():
+            self.queue_delay.observe(max(delay, 0.0))
+        for phase, total in phase_seconds.items():
+            spent = total - self._phase_seconds.get(phase, 0.0)
+            self._phase_seconds[phase] = total
+            self.step_seconds.labels(phase).observe(max(spent, 0.0))
+
+    def sync_caches(self, tiers: KVTiersStats, store: HistoryStoreStats | None) -> None:
+        """Cache counters per tier from cumulative snapshots.
+
+        Per tier, a miss is a lookup the tier could not answer: the GPU misses whatever
+        it does not hold, the host tier misses what falls through to a rebuild, and the
+        history store misses users it has never seen.
+        """
+        self._sync(self.cache_hits, "gpu", tiers.gpu_hits)
+        self._sync(self.cache_misses, "gpu", tiers.host_hits + tiers.misses)
+        self._sync(self.cache_evictions, "gpu", tiers.pool.evictions)
+        if tiers.host is not None:
+            self._sync(self.cache_hits, "host", tiers.host_hits)
+            self._sync(self.cache_misses, "host", tiers.misses)
+            self._sync(self.cache_evictions, "host", tiers.host.drops)
+        if store is not None:
+            self._sync(self.cache_hits, "history", store.get_hits)
+            self._sync(self.cache_misses, "history", store.misses)
+        self.kv_blocks.labels("used").set(tiers.pool.blocks_used)
+        self.kv_blocks.labels("free").set(tiers.pool.blocks_free)
+
+    def _sync(self, family: Counter, tier: str, cumulative: float) -> None:
+        key = (id(family), tier)
+        delta = cumulative - self._seen.get(key, 0.0)
+        if delta > 0:
+            family.labels(tier).inc(delta)
+            self._seen[key] = cumulative
+
+    def sample(self, name: str, labels: Mapping[str, str] | None = None) -> float | None:
+        """Current value of one sample (tests and the demo summary read metrics back)."""
+        value = self.registry.get_sample_value(name, dict(labels or {}))
+        return None if value is None else float(value)
+
+    def families(self) -> Iterable[str]:
+        return [metric.name for metric in self.registry.collect()]
