@@ -40,6 +40,7 @@ from streamrec.cache.host_tier import HostTier
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig, free_memory_bytes
 from streamrec.cache.kv_tiers import KVTiers
 from streamrec.errors import BrokerError, StreamrecError
+from streamrec.models.config import HSTUConfig
 from streamrec.pipeline.clock import MonotonicClock
 from streamrec.pipeline.delta import Delta
 from streamrec.pipeline.engine import Engine, EngineConfig, UserResult
@@ -48,7 +49,7 @@ from streamrec.pipeline.scorer import ScoringConfig
 from streamrec.schemas.codec import RawRecord, RejectedRecord, decode_batch
 from streamrec.schemas.events import EventKind
 from streamrec.schemas.records import DeadLetter, Recommendation
-from streamrec.worker.config import WorkerConfig
+from streamrec.worker.config import ModelConfig, WorkerConfig
 from streamrec.worker.consumer import TP, KafkaInput
 from streamrec.worker.http_server import HttpServer, Response
 from streamrec.worker.metrics import WorkerMetrics
@@ -115,6 +116,7 @@ class App:
         )
         self.loaded = model
         self._store = store
+        self._owns_store = store is None  # an injected store is closed by whoever made it
         self.engine: Engine | None = None
         self._on_published = on_published
         self._kinds = {
@@ -196,17 +198,7 @@ class App:
         if self._store is None:
             self._store = open_history_store(self.config.store.url, hstu.max_seq_len)
         tiers = self._build_tiers(loaded)
-        retrievable = hstu.num_items - hstu.first_item_row
-        exclude = min(ScoringConfig().exclude_recent, max(retrievable - 1, 0))
-        pool = max(1, min(self.config.model.num_candidates, retrievable - exclude))
-        scoring = ScoringConfig(
-            top_k=min(self.config.model.top_k, pool),
-            num_candidates=pool,
-            exclude_recent=exclude,
-            task_weights={
-                k: v for k, v in ScoringConfig().task_weights.items() if k in hstu.task_names
-            },
-        )
+        scoring = serving_scoring(self.config.model, hstu)
         self.engine = Engine(
             loaded.model,
             tiers,
@@ -275,7 +267,7 @@ class App:
             await self.publisher.stop()
         if self.engine is not None:
             await self.engine.close()
-        if self._store is not None:
+        if self._store is not None and self._owns_store:
             await self._store.close()
         await self.http.stop()
 
@@ -514,6 +506,22 @@ class App:
             return Response(200, b"ready\n")
         why = "model not loaded" if self.engine is None else "no partitions assigned"
         return Response(503, f"not ready: {why}\n".encode())
+
+
+def serving_scoring(model: ModelConfig, hstu: HSTUConfig) -> ScoringConfig:
+    """The scoring the worker serves with: the configured sizes, clamped to the catalogue
+    (a small model may have fewer items than ``num_candidates``), and the default task
+    weights restricted to the model's tasks. The offline recompute must use the same."""
+    retrievable = hstu.num_items - hstu.first_item_row
+    exclude = min(ScoringConfig().exclude_recent, max(retrievable - 1, 0))
+    pool = max(1, min(model.num_candidates, retrievable - exclude))
+    weights = ScoringConfig().task_weights
+    return ScoringConfig(
+        top_k=min(model.top_k, pool),
+        num_candidates=pool,
+        exclude_recent=exclude,
+        task_weights={k: v for k, v in weights.items() if k in hstu.task_names},
+    )
 
 
 async def _wait_either(coro: Coroutine[object, object, None], event: asyncio.Event) -> None:

@@ -1,0 +1,313 @@
+"""Shared pieces of the worker's end-to-end tests: a tiny model, a stream with malformed
+records, topic readers, and the end-state check against the offline full recompute."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import TopicPartition
+
+from streamrec.cache.history_store import History
+from streamrec.models.checkpoint import load_checkpoint, save_checkpoint
+from streamrec.models.config import HSTUConfig
+from streamrec.models.hstu import HSTU
+from streamrec.models.vocabulary import ItemVocabulary
+from streamrec.pipeline.reference import full_recompute
+from streamrec.schemas.codec import encode_event
+from streamrec.schemas.events import InteractionEvent, PlaybackEvent
+from streamrec.schemas.records import DeadLetter, Recommendation
+from streamrec.schemas.validation import ErrorKind
+from streamrec.schemas.wire import CONTENT_TYPE_HEADER
+from streamrec.worker.app import serving_scoring
+from streamrec.worker.config import (
+    BatchingConfig,
+    CacheConfig,
+    GroupConfig,
+    HttpConfig,
+    KafkaConfig,
+    LogConfig,
+    ModelConfig,
+    StoreConfig,
+    TopicsConfig,
+    WorkerConfig,
+)
+
+PARTITIONS = 4
+MAX_RECORD_BYTES = 2_048
+BLOCK_SIZE = 8
+
+
+def tiny_model_dir(path: Path, num_items: int = 120, seed: int = 0) -> Path:
+    """A randomly initialised small HSTU saved as a model directory (no training needed)."""
+    torch.manual_seed(seed)
+    vocab = ItemVocabulary([f"i{n}" for n in range(num_items)], num_oov_buckets=4)
+    config = HSTUConfig(
+        num_items=vocab.size,
+        num_oov_buckets=4,
+        d_model=16,
+        num_layers=2,
+        num_heads=2,
+        head_dim=8,
+        max_seq_len=64,
+        num_time_buckets=16,
+        task_hidden=16,
+    )
+    save_checkpoint(path, HSTU(config).eval(), vocab, {"model_name": "tiny"})
+    return path
+
+
+@dataclass(frozen=True)
+class Topics:
+    playback: str
+    interaction: str
+    output: str
+    dead_letter: str
+
+    def config(self) -> TopicsConfig:
+        return TopicsConfig(
+            playback=self.playback,
+            interaction=self.interaction,
+            output=self.output,
+            dead_letter=self.dead_letter,
+            max_record_bytes=MAX_RECORD_BYTES,
+        )
+
+
+def make_topics(broker: object, unique_topic: Callable[[str], str]) -> Topics:
+    topics = Topics(
+        unique_topic("playback"),
+        unique_topic("interaction"),
+        unique_topic("recs"),
+        unique_topic("dlq"),
+    )
+    broker.create_topics(  # type: ignore[attr-defined]
+        {
+            topics.playback: PARTITIONS,
+            topics.interaction: PARTITIONS,
+            topics.output: PARTITIONS,
+            topics.dead_letter: 1,
+        }
+    )
+    return topics
+
+
+def worker_config(
+    bootstrap: str,
+    topics: Topics,
+    group_id: str,
+    model_dir: Path,
+    store_url: str = "memory://",
+    kv_blocks_bytes: int = 1 << 20,
+    drain_timeout_s: float = 10.0,
+) -> WorkerConfig:
+    return WorkerConfig(
+        kafka=KafkaConfig(
+            bootstrap_servers=bootstrap,
+            session_timeout_ms=6_000,
+            heartbeat_interval_ms=500,
+            request_timeout_ms=10_000,
+            connect_retry_max_s=1.0,
+        ),
+        topics=topics.config(),
+        group=GroupConfig(
+            group_id=group_id, commit_interval_ms=100, drain_timeout_s=drain_timeout_s
+        ),
+        batching=BatchingConfig(max_batch_users=64, max_wait_ms=5.0),
+        cache=CacheConfig(kv_budget_bytes=kv_blocks_bytes, block_size=BLOCK_SIZE),
+        model=ModelConfig(model_dir=model_dir, device="cpu", num_candidates=16, top_k=5),
+        store=StoreConfig(url=store_url),
+        http=HttpConfig(host="127.0.0.1", port=0),
+        log=LogConfig(format="json", level="INFO"),
+    )
+
+
+@dataclass
+class Stream:
+    """What was produced, to check the end state against."""
+
+    records: list[tuple[str, bytes, bytes]] = field(default_factory=list)  # topic, key, value
+    valid: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # user -> events
+    malformed: dict[bytes, str] = field(default_factory=dict)  # value -> expected kind
+
+    @property
+    def users(self) -> list[str]:
+        return sorted(self.valid)
+
+
+def make_stream(
+    topics: Topics,
+    n_events: int,
+    n_users: int,
+    malformed_fraction: float,
+    seed: int,
+    num_items: int = 120,
+) -> Stream:
+    """Events for ``n_users`` on both topics (some unknown items: OOV, not errors) with a
+    share of malformed records of every kind the worker must dead-letter."""
+    rng = np.random.default_rng(seed)
+    stream = Stream()
+    ts = {f"u{u}": 1_700_000_000_000 + int(rng.integers(10**9)) for u in range(n_users)}
+    bad_kinds = [
+        (b"\xc1 not msgpack %d", ErrorKind.UNDECODABLE),
+        (b'{"user_id": "u0", "item_id": "i1", "ts_ms": -%d, "action": "like"}', ErrorKind.OUT_OF_RANGE),
+        (b'{"user_id": "u0", "ts_ms": %d, "action": "like"}', ErrorKind.MISSING_FIELD),
+        (b'{"user_id": "u0", "item_id": "i1", "ts_ms": %d, "action": "wave"}', ErrorKind.UNKNOWN_ACTION),
+        (b'{"pad": "' + b"x" * MAX_RECORD_BYTES + b'", "n": %d}', ErrorKind.OVERSIZED),
+    ]
+    for n in range(n_events):
+        user = f"u{int(rng.integers(n_users))}"
+        if rng.random() < malformed_fraction:
+            template, kind = bad_kinds[n % len(bad_kinds)]
+            value = template % n
+            stream.malformed[value] = kind.value
+            stream.records.append((topics.interaction, user.encode(), value))
+            continue
+        ts[user] += int(rng.integers(1_000, 600_000))
+        item = f"i{int(rng.integers(num_items))}" if rng.random() < 0.95 else f"new{n}"
+        if rng.random() < 0.6:
+            played = int(rng.integers(0, 200_000))
+            event: PlaybackEvent | InteractionEvent = PlaybackEvent(
+                user, item, ts[user], played, 200_000
+            )
+            topic = topics.playback
+        else:
+            action = ("like", "skip", "save", "click")[int(rng.integers(4))]
+            event = InteractionEvent(user, item, ts[user], action)
+            topic = topics.interaction
+        stream.records.append((topic, user.encode(), encode_event(event)))
+        stream.valid[user] += 1
+    return stream
+
+
+async def produce(bootstrap: str, records: list[tuple[str, bytes, bytes]], rate: float = 0) -> None:
+    """Send the records (keyed, content-type only on valid msgpack), optionally paced."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    await producer.start()
+    started = time.monotonic()
+    try:
+        pending = []
+        for n, (topic, key, value) in enumerate(records, start=1):
+            headers = [] if value[:1] in (b"{", b"\xc1") else [(CONTENT_TYPE_HEADER, b"application/msgpack")]
+            pending.append(await producer.send(topic, value, key=key, headers=headers))
+            if rate:
+                ahead = n / rate - (time.monotonic() - started)
+                if ahead > 0.01:
+                    await asyncio.sleep(ahead)
+            if len(pending) >= 1_000:
+                await asyncio.gather(*pending)
+                pending.clear()
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+
+
+async def read_topic(bootstrap: str, topic: str) -> list[tuple[int, int, bytes]]:
+    """Every record of ``topic`` as (partition, offset, value).
+
+    Tansu's ListOffsets answers may lag the log (seen: 19,282 for 20,000 records), so
+    the end is where fetching stops yielding records, not the listed end offset.
+    """
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        await consumer.topics()
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        out: list[tuple[int, int, bytes]] = []
+        quiet = 0
+        while quiet < 3:
+            batches = await consumer.getmany(timeout_ms=300)
+            quiet = 0 if batches else quiet + 1
+            for tp, records in batches.items():
+                out.extend((tp.partition, r.offset, r.value) for r in records)
+        return out
+    finally:
+        await consumer.stop()
+
+
+async def end_offsets(bootstrap: str, topics: list[str]) -> dict[tuple[str, int], int]:
+    """One past the last offset of every partition, found by reading (see read_topic)."""
+    ends: dict[tuple[str, int], int] = {}
+    for topic in topics:
+        for partition, offset, _ in await read_topic(bootstrap, topic):
+            ends[(topic, partition)] = max(ends.get((topic, partition), 0), offset + 1)
+    return ends
+
+
+async def committed_offsets(
+    bootstrap: str, group_id: str, tps: list[tuple[str, int]]
+) -> dict[tuple[str, int], int]:
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=group_id, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        out = {}
+        for topic, partition in tps:
+            value = await consumer.committed(TopicPartition(topic, partition))
+            out[(topic, partition)] = value if value is not None else 0
+        return out
+    finally:
+        await consumer.stop()
+
+
+async def wait_until(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+def latest_recommendations(records: list[tuple[int, int, bytes]]) -> dict[str, Recommendation]:
+    latest: dict[str, Recommendation] = {}
+    for _, _, value in records:
+        rec = Recommendation.from_bytes(value)
+        if rec.user_id not in latest or rec.version >= latest[rec.user_id].version:
+            latest[rec.user_id] = rec
+    return latest
+
+
+def dead_letters(records: list[tuple[int, int, bytes]]) -> list[DeadLetter]:
+    return [DeadLetter.from_bytes(value) for _, _, value in records]
+
+
+def assert_matches_recompute(
+    model_dir: Path, config: WorkerConfig, histories: Mapping[str, History], latest: Mapping[str, Recommendation]
+) -> None:
+    """Every user's last published list equals a from-scratch recompute of its history."""
+    ckpt = load_checkpoint(model_dir)
+    hstu = ckpt.config
+    expected = full_recompute(
+        ckpt.model,
+        histories,
+        num_layers=hstu.num_layers,
+        num_heads=hstu.num_heads,
+        head_dim=hstu.head_dim,
+        max_seq_len=hstu.max_seq_len,
+        dtype=torch.float32,
+        task_names=hstu.task_names,
+        scoring=serving_scoring(config.model, hstu),
+        block_size=BLOCK_SIZE,
+    )
+    assert set(expected) == set(latest)
+    for user, rec in latest.items():
+        want = expected[user]
+        assert rec.version == histories[user].total_appended == want.version, user
+        assert rec.item_ids == [ckpt.vocab.external(int(r)) for r in want.items], user
+        got = np.array([score for _, score in rec.items])
+        np.testing.assert_allclose(got, want.scores, rtol=1e-5, atol=1e-6)
