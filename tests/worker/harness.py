@@ -157,9 +157,15 @@ def make_stream(
     ts = {f"u{u}": 1_700_000_000_000 + int(rng.integers(10**9)) for u in range(n_users)}
     bad_kinds = [
         (b"\xc1 not msgpack %d", ErrorKind.UNDECODABLE),
-        (b'{"user_id": "u0", "item_id": "i1", "ts_ms": -%d, "action": "like"}', ErrorKind.OUT_OF_RANGE),
+        (
+            b'{"user_id": "u0", "item_id": "i1", "ts_ms": -%d, "action": "like"}',
+            ErrorKind.OUT_OF_RANGE,
+        ),
         (b'{"user_id": "u0", "ts_ms": %d, "action": "like"}', ErrorKind.MISSING_FIELD),
-        (b'{"user_id": "u0", "item_id": "i1", "ts_ms": %d, "action": "wave"}', ErrorKind.UNKNOWN_ACTION),
+        (
+            b'{"user_id": "u0", "item_id": "i1", "ts_ms": %d, "action": "wave"}',
+            ErrorKind.UNKNOWN_ACTION,
+        ),
         (b'{"pad": "' + b"x" * MAX_RECORD_BYTES + b'", "n": %d}', ErrorKind.OVERSIZED),
     ]
     for n in range(n_events):
@@ -195,7 +201,11 @@ async def produce(bootstrap: str, records: list[tuple[str, bytes, bytes]], rate:
     try:
         pending = []
         for n, (topic, key, value) in enumerate(records, start=1):
-            headers = [] if value[:1] in (b"{", b"\xc1") else [(CONTENT_TYPE_HEADER, b"application/msgpack")]
+            headers = (
+                []
+                if value[:1] in (b"{", b"\xc1")
+                else [(CONTENT_TYPE_HEADER, b"application/msgpack")]
+            )
             pending.append(await producer.send(topic, value, key=key, headers=headers))
             if rate:
                 ahead = n / rate - (time.monotonic() - started)
@@ -287,7 +297,10 @@ def dead_letters(records: list[tuple[int, int, bytes]]) -> list[DeadLetter]:
 
 
 def assert_matches_recompute(
-    model_dir: Path, config: WorkerConfig, histories: Mapping[str, History], latest: Mapping[str, Recommendation]
+    model_dir: Path,
+    config: WorkerConfig,
+    histories: Mapping[str, History],
+    latest: Mapping[str, Recommendation],
 ) -> None:
     """Every user's last published list equals a from-scratch recompute of its history."""
     ckpt = load_checkpoint(model_dir)

@@ -103,9 +103,10 @@ async def test_unequal_partition_counts_refuse_to_start(broker, unique_topic, mo
     broker.create_topics({other: PARTITIONS - 1})
     config = worker_config(broker.bootstrap_servers, topics, "g-unequal", model_dir)
     config = type(config)(
-        **{**config.__dict__, "topics": type(config.topics)(
-            **{**config.topics.__dict__, "interaction": other}
-        )}
+        **{
+            **config.__dict__,
+            "topics": type(config.topics)(**{**config.topics.__dict__, "interaction": other}),
+        }
     )
     app = App(config)
     with pytest.raises(BrokerError, match=rf"{topics.playback}.* has {PARTITIONS} .* has 3"):
@@ -117,7 +118,9 @@ async def test_absent_broker_is_retried_not_ready(unique_topic, model_dir) -> No
     config = worker_config(f"127.0.0.1:{free_port()}", topics, "g", model_dir)
     app = App(config)
     worker = asyncio.create_task(app.run())
-    await wait_until(lambda: app.engine is not None and app.input.connect_attempts >= 2, 30, "retries")
+    await wait_until(
+        lambda: app.engine is not None and app.input.connect_attempts >= 2, 30, "retries"
+    )
     port = app.http.port
     assert (await http_get(port, "/readyz"))[0] == 503
     assert (await http_get(port, "/healthz"))[0] == 200
