@@ -1,0 +1,33 @@
+"""``streamrec export`` argument handling (the compile itself: test_aoti_export.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from streamrec.models.export_command import add_export_arguments, run_export
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_export_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_missing_model_dir_fails_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = parse(
+        "--model-dir", str(tmp_path / "nope"), "--cache-dir", str(tmp_path), "--device", "cpu"
+    )
+    assert run_export(args) == 1
+    err = capsys.readouterr().err
+    assert "export failed" in err and str(tmp_path / "nope") in err
+
+
+def test_unknown_entry_point_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("--cache-dir", str(tmp_path), "--device", "cpu", "--entry-points", "decode")
+    assert run_export(args) == 1
+    assert "decode" in capsys.readouterr().err
