@@ -1,10 +1,8 @@
 """The ``streamrec`` command line.
 
 Each subcommand is one handler taking the parsed namespace and returning an exit status.
-Commands that later work delivers are registered with ``_not_yet`` and accept any flags
-for now, so scripts written against the final interface get the plain "not available yet"
-answer rather than a usage error. Exit statuses: 0 success, 1 failure (bad input lines,
-unreachable broker, bad config), 2 usage errors and commands not available yet.
+Exit statuses: 0 success, 1 failure (bad input lines, unreachable broker, bad config,
+a failed export), 2 usage errors.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,7 +18,9 @@ from typing import Any, Final
 
 from streamrec import __version__
 from streamrec.errors import ConfigError, StreamrecError
+from streamrec.models.export_command import add_export_arguments, run_export
 from streamrec.worker.config import ENV_CONFIG_FILE, WorkerConfig, config_fields, load_config
+from streamrec.worker.model_loader import export_config_for
 
 EXIT_OK: Final = 0
 EXIT_FAILURE: Final = 1
@@ -27,8 +28,18 @@ EXIT_USAGE: Final = 2
 
 Handler = Callable[[argparse.Namespace], int]
 
-# Which issue delivers each command that is not implemented yet.
-_DELIVERED_BY: Final = {"export": 5, "bench": 8}
+# ``streamrec bench NAME`` -> the module under bench/ whose ``main(argv)`` runs it.
+BENCHMARKS: Final = {
+    "engine": "bench.engine_bench",
+    "cache-capacity": "bench.cache_capacity",
+    "decode": "bench.decode_bench",
+    "history-store": "bench.history_store_bench",
+    "host-tier": "bench.host_tier_bench",
+    "aoti": "bench.aoti_bench",
+    "h200": "bench.h200_bench",
+    "soak": "bench.soak",
+    "cpu-vs-naive": "bench.cpu_worker_vs_naive",
+}
 
 # Named flags -> config keys (everything else: --set section.field=value).
 _FLAG_KEYS: Final = {
@@ -111,13 +122,32 @@ def effective_config(args: argparse.Namespace) -> WorkerConfig:
     return load_config(getattr(args, "config", None), overrides=config_overrides(args))
 
 
-def _not_yet(command: str) -> Handler:
-    def handler(args: argparse.Namespace) -> int:
-        issue = _DELIVERED_BY[command]
-        print(f"not available yet: {command} is delivered by issue {issue}", file=sys.stderr)
-        return EXIT_USAGE
+def _export(args: argparse.Namespace) -> int:
+    """``streamrec export``: flags beat the worker config, so the package the worker
+    looks for (model dir, cache dir, device, retrieve k) is the one that gets built."""
+    model_cfg = effective_config(args).model
+    if args.model_dir is None:
+        args.model_dir = model_cfg.model_dir
+    if args.cache_dir is None:
+        args.cache_dir = model_cfg.aoti_cache_dir
+    if args.device is None:
+        args.device = model_cfg.device
+    if args.retrieve_k is None:
+        args.retrieve_k = export_config_for(model_cfg).retrieve_k
+    return run_export(args)
 
-    return handler
+
+def _bench(args: argparse.Namespace) -> int:
+    """Benchmarks live in the repository's ``bench/`` (not installed): run from a checkout."""
+    module = BENCHMARKS[args.name]
+    if not (Path.cwd() / "bench" / "__init__.py").is_file():
+        print(
+            f"bench {args.name}: no bench/ here ({Path.cwd()}); run it from the root of a "
+            "streamrec source checkout",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    return subprocess.call([sys.executable, "-m", module, *args.bench_args])
 
 
 def _config_show(args: argparse.Namespace) -> int:
@@ -312,12 +342,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_flags(evaluation)
     evaluation.set_defaults(handler=_eval)
 
-    for name, text in (
-        ("export", "compile a model to an AOTInductor package"),
-        ("bench", "run a benchmark"),
-    ):
-        cmd = sub.add_parser(name, help=text)
-        cmd.set_defaults(handler=_not_yet(name))
+    export = sub.add_parser("export", help="compile a model to an AOTInductor package")
+    _add_config_flags(export, worker=False)
+    add_export_arguments(export)
+    export.set_defaults(handler=_export, model_dir=None, cache_dir=None, device=None)
+    export.set_defaults(retrieve_k=None)
+
+    bench = sub.add_parser("bench", help="run a benchmark of bench/ (source checkout)")
+    bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its own flags")
+    bench.set_defaults(handler=_bench)
 
     config = sub.add_parser("config", help="inspect the configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -345,9 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``streamrec`` console script; returns the exit status."""
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and args.command not in _DELIVERED_BY:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args = parser.parse_args(argv)
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -1,11 +1,9 @@
 """Model directory -> the model the engine serves, and which backend that is.
 
-The seam for the AOTInductor backend is ``load_serving_model``: it gets the loaded
-checkpoint (weights, vocabulary, version) and the device and returns something satisfying
-``ServingModel`` plus the backend's name. Today it returns the eager module; the AOTI
-loader (``streamrec.models.aoti*``) plugs in there: look for a package matching the model
-version in ``model_cfg.aoti_cache_dir``, load it, else fall back to eager (or raise when
-``require_aoti``). Everything else (engine, metrics, logs) already reports the name.
+``load_serving_model`` picks the backend: the AOTInductor package matching the model
+version in ``model_cfg.aoti_cache_dir`` when there is one, else the eager module (or an
+error under ``require_aoti``). Both satisfy ``ServingModel``; the engine, the metrics and
+the logs only ever see the backend's name.
 """
 
 from __future__ import annotations
@@ -15,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from streamrec.errors import ModelError
+from streamrec.errors import ExportError, ModelError
+from streamrec.models.aoti_export import ExportConfig
+from streamrec.models.aoti_runtime import open_aoti_model
 from streamrec.models.checkpoint import Checkpoint, load_checkpoint
 from streamrec.pipeline.serving_model import ServingModel
 from streamrec.worker.config import ModelConfig
@@ -42,24 +42,45 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def export_config_for(model_cfg: ModelConfig) -> ExportConfig:
+    """The export settings the worker loads with; ``streamrec export`` uses the same."""
+    return ExportConfig(retrieve_k=max(ExportConfig().retrieve_k, model_cfg.num_candidates))
+
+
 def load_serving_model(
     model_cfg: ModelConfig, checkpoint: Checkpoint, device: torch.device
 ) -> tuple[ServingModel, str]:
-    """The serving model for ``checkpoint`` on ``device`` and its backend name.
+    """The AOTI package of ``checkpoint`` from the package cache, else the eager module.
 
-    The AOTI backend is not wired in yet: eager is returned, which ``require_aoti``
-    turns into an error (the operator asked never to serve eager).
+    Compiling takes minutes, so the worker never compiles at start: ``streamrec export``
+    (an init container, an image build step) fills the cache ahead of time. Without a
+    matching package the worker serves eager and says so in the log and in
+    ``streamrec_model_backend``, unless ``require_aoti`` makes that a start-up error.
     """
-    if model_cfg.require_aoti:
-        raise ModelError(
-            f"model.require_aoti is set but no AOTI package is available for model version "
-            f"{checkpoint.version} in {str(model_cfg.aoti_cache_dir)!r}"
+    try:
+        model = open_aoti_model(
+            checkpoint.path,
+            device,
+            model_cfg.aoti_cache_dir,
+            compile_if_missing=False,
+            config=export_config_for(model_cfg),
         )
+    except ExportError as exc:
+        if model_cfg.require_aoti:
+            raise ModelError(
+                f"model.require_aoti is set but no usable AOTI package for model version "
+                f"{checkpoint.version} in {str(model_cfg.aoti_cache_dir)!r}: {exc}"
+            ) from exc
+        log.warning(
+            "no AOTI package, serving the eager model (run `streamrec export` to compile)",
+            extra={"backend": "eager", "model_version": checkpoint.version, "reason": str(exc)},
+        )
+        return checkpoint.model, "eager"
     log.info(
-        "serving the eager model",
-        extra={"backend": "eager", "model_version": checkpoint.version, "device": str(device)},
+        "serving the AOTI package",
+        extra={"backend": "aoti", "model_version": checkpoint.version, "device": str(device)},
     )
-    return checkpoint.model, "eager"
+    return model, "aoti"
 
 
 def load_model(model_cfg: ModelConfig) -> LoadedModel:

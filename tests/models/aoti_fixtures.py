@@ -22,7 +22,9 @@ from tests.models.paged import FakePagedCache
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = REPO / ".streamrec-cache" / "test-aoti"
-EXPORT = ExportConfig(retrieve_k=16)
+# The worker's own export settings (k=256, clamped to this catalog), so the worker's
+# model-loader tests find this same package.
+EXPORT = ExportConfig(retrieve_k=256)
 REL_TOL = 1e-5
 
 

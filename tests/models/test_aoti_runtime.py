@@ -84,7 +84,7 @@ def test_all_entry_points_equal_eager(compiled: AOTIModel, eager: HSTU, batch_si
         )
         _, _, user_emb = eager.extend(*batch.extend_args())
         exclude = torch.randint(-1, eager.config.num_items, (batch_size, 4), generator=gen)
-        for k in (1, 7, EXPORT.retrieve_k):
+        for k in (1, 7, 20):  # within the retrievable rows (the rest score -inf)
             got = compiled.retrieve(user_emb, k, exclude)
             want = eager.retrieve(user_emb, k, exclude)
             assert_close(got[:1], want[:1])
@@ -97,8 +97,10 @@ def test_retrieve_without_exclusions_and_k_bounds(compiled: AOTIModel, eager: HS
     none = torch.empty(2, 0, dtype=torch.int64)
     got = compiled.retrieve(user_emb, 5, none)
     assert torch.equal(got[1], eager.retrieve(user_emb, 5, none)[1])
-    with pytest.raises(ModelError, match=r"k=17 must be in 1\.\.16"):
-        compiled.retrieve(user_emb, 17, none)
+    top = compiled.retrieve_k  # the catalog size: the worker's k=256 is clamped to it
+    assert top == eager.config.num_items
+    with pytest.raises(ModelError, match=rf"k={top + 1} must be in 1\.\.{top}"):
+        compiled.retrieve(user_emb, top + 1, none)
 
 
 def test_long_prefill_up_to_max_seq_len(compiled: AOTIModel, eager: HSTU) -> None:

@@ -177,20 +177,24 @@ def test_produce_unreachable_broker_is_an_error(
     assert "cannot reach Kafka" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    ("argv", "issue"),
-    [
-        (["export"], 5),
-        (["bench", "decode"], 8),
-    ],
-)
-def test_commands_not_available_yet(
-    argv: list[str], issue: int, capsys: pytest.CaptureFixture[str]
+def test_export_of_a_missing_model_dir_fails_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(argv) == 2
-    assert capsys.readouterr().err.strip() == (
-        f"not available yet: {argv[0]} is delivered by issue {issue}"
-    )
+    missing = tmp_path / "no-such-model"
+    status = main(["export", "--model-dir", str(missing), "--cache-dir", str(tmp_path / "c")])
+    assert status == 1
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_bench_names_are_checked_and_need_a_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as usage:
+        main(["bench", "no-such-bench"])
+    assert usage.value.code == 2
+    monkeypatch.chdir(tmp_path)  # no bench/ here
+    assert main(["bench", "engine"]) == 1
+    assert "source checkout" in capsys.readouterr().err
 
 
 def test_config_show_json_applies_flags(

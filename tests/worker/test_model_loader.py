@@ -1,0 +1,63 @@
+"""Backend choice: the AOTI package when one matches the model, else eager (or an error)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamrec.errors import ModelError
+from streamrec.models.aoti_runtime import AOTIModel, open_aoti_model
+from streamrec.models.checkpoint import load_checkpoint
+from streamrec.worker.config import ModelConfig
+from streamrec.worker.model_loader import export_config_for, load_model
+from tests.models.aoti_fixtures import CACHE_DIR, EXPORT, tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("loader") / "model")
+
+
+def test_worker_and_tests_share_one_export_config() -> None:
+    assert export_config_for(ModelConfig()) == EXPORT
+
+
+def test_serves_aoti_when_the_package_exists(model_dir: Path) -> None:
+    # Compiled by the models tests earlier in the session (same deterministic model).
+    open_aoti_model(model_dir, "cpu", CACHE_DIR, compile_if_missing=True, config=EXPORT)
+    cfg = ModelConfig(
+        model_dir=model_dir, aoti_cache_dir=CACHE_DIR, device="cpu", require_aoti=True
+    )
+    loaded = load_model(cfg)
+    assert loaded.backend == "aoti"
+    assert isinstance(loaded.model, AOTIModel)
+    eager = load_checkpoint(model_dir).model
+    user_emb = torch.nn.functional.normalize(torch.randn(2, eager.config.d_model), dim=-1)
+    none = torch.full((2, 1), -1, dtype=torch.int64)
+    with torch.inference_mode():
+        assert torch.equal(
+            loaded.model.retrieve(user_emb, 5, none)[1], eager.retrieve(user_emb, 5, none)[1]
+        )
+
+
+def test_falls_back_to_eager_with_a_warning(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = ModelConfig(model_dir=model_dir, aoti_cache_dir=tmp_path / "empty", device="cpu")
+    with caplog.at_level(logging.WARNING):
+        loaded = load_model(cfg)
+    assert loaded.backend == "eager"
+    assert any("serving the eager model" in r.getMessage() for r in caplog.records)
+
+
+def test_require_aoti_without_a_package_is_a_start_up_error(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = ModelConfig(
+        model_dir=model_dir, aoti_cache_dir=tmp_path / "empty", device="cpu", require_aoti=True
+    )
+    with pytest.raises(ModelError, match="require_aoti"):
+        load_model(cfg)
