@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-def"
+# (Triton reads the annotations of @jit kernels, so their parameters stay unannotated.)
 """Fused paged SiLU attention over the KV cache: one Triton kernel, one custom op.
 
 The torch path of ``HSTU._context_attention`` gathers every query's cached K/V into a
@@ -25,7 +27,6 @@ machine) only the torch reference below exists and ``triton_available()`` is Fal
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -110,17 +111,17 @@ if triton is not None:
 
     @triton.jit
     def _rel_bias(
-        rel: Any,
-        dt: Any,
-        h: Any,
-        pos_bias_ptr: Any,
-        time_bias_ptr: Any,
-        edges_ptr: Any,
-        width_inv: Any,
+        rel,
+        dt,
+        h,
+        pos_bias_ptr,
+        time_bias_ptr,
+        edges_ptr,
+        width_inv,
         H: tl.constexpr,
         NUM_POS: tl.constexpr,
         NUM_TIME: tl.constexpr,
-    ) -> Any:
+    ):
         """pos_bias[clamp(rel)] + time_bias[bucketize(|dt|, edges, right=True)] in fp32.
 
         The bucket is log1p(|dt| s)/width rounded down, then moved by at most one edge so
@@ -130,7 +131,7 @@ if triton is not None:
         bias = tl.load(pos_bias_ptr + rel * H + h).to(tl.float32)
         if NUM_TIME > 1:
             dt = tl.where(dt < 0, -dt, dt)
-            est = tl.floor(tl.log(1.0 + dt.to(tl.float32) * 0.001) * width_inv)
+            est = tl.floor(tl.log(1.0 + dt.to(tl.float32) * 0.001) * width_inv).to(tl.float32)
             b = tl.minimum(tl.maximum(est, 0.0), NUM_TIME - 1.0).to(tl.int32)
             lo = tl.load(edges_ptr + tl.maximum(b - 1, 0))
             b = tl.where((b > 0) & (dt < lo), b - 1, b)
@@ -143,28 +144,28 @@ if triton is not None:
 
     @triton.jit
     def _paged_silu_attention_kernel(
-        q_ptr: Any,  # [G, H, D]
-        q_pos_ptr: Any,  # [G]
-        q_ts_ptr: Any,  # [G]
-        q_user_ptr: Any,  # [G]
-        k_ptr: Any,  # [NB, BS, H, D] (one layer of the pool)
-        v_ptr: Any,  # [NB, BS, H, D]
-        ts_pool_ptr: Any,  # [NB, BS]
-        tables_ptr: Any,  # [B, MB]
-        lens_ptr: Any,  # [B]
-        pos_bias_ptr: Any,  # [NUM_POS, H]
-        time_bias_ptr: Any,  # [NUM_TIME, H]
-        edges_ptr: Any,  # [NUM_TIME - 1]
-        out_ptr: Any,  # [S, G, H, D] fp32 partials, or [G, H, D] in q's dtype
-        num_queries: Any,
-        max_blocks: Any,
-        block_size: Any,
-        stride_kv_block: Any,
-        stride_kv_slot: Any,
-        stride_out_split: Any,
-        scale: Any,
-        inv_divisor: Any,
-        width_inv: Any,
+        q_ptr,  # [G, H, D]
+        q_pos_ptr,  # [G]
+        q_ts_ptr,  # [G]
+        q_user_ptr,  # [G]
+        k_ptr,  # [NB, BS, H, D] (one layer of the pool)
+        v_ptr,  # [NB, BS, H, D]
+        ts_pool_ptr,  # [NB, BS]
+        tables_ptr,  # [B, MB]
+        lens_ptr,  # [B]
+        pos_bias_ptr,  # [NUM_POS, H]
+        time_bias_ptr,  # [NUM_TIME, H]
+        edges_ptr,  # [NUM_TIME - 1]
+        out_ptr,  # [S, G, H, D] fp32 partials, or [G, H, D] in q's dtype
+        num_queries,
+        max_blocks,
+        block_size,
+        stride_kv_block,
+        stride_kv_slot,
+        stride_out_split,
+        scale,
+        inv_divisor,
+        width_inv,
         H: tl.constexpr,
         D: tl.constexpr,
         NUM_POS: tl.constexpr,
@@ -173,7 +174,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         KEYS_PER_SPLIT: tl.constexpr,
         IEEE: tl.constexpr,
-    ) -> None:
+    ):
         pid_q = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
@@ -220,7 +221,8 @@ if triton is not None:
                         s = tl.dot(q, tl.trans(k))
                 else:
                     s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), 2)
-                s = s * scale  # [BQ, BN]
+                # Inductor passes Python floats as fp64 scalars: cast back to fp32.
+                s = (s * scale).to(tl.float32)  # [BQ, BN]
                 if uniform:
                     b1 = _rel_bias(
                         pos_u - keys,
@@ -249,7 +251,7 @@ if triton is not None:
                         NUM_TIME,
                     )
                     s = s + b2
-                w = s * tl.sigmoid(s) * inv_divisor
+                w = (s * tl.sigmoid(s) * inv_divisor).to(tl.float32)
                 w = tl.where(row[:, None] & kmask[None, :], w, 0.0)
                 if BLOCK_Q >= 16:
                     if IEEE:

@@ -1,0 +1,511 @@
+"""Issue 8 on the H200, side by side in one run: cache speedup, kernels, hit rates, roofline.
+
+Sections (``--sections``):
+  kernel   fused op vs torch reference, alone: extend (1 query/user) and rank (256
+           candidates/user) at batch 64 and history 2048, launch-shape variants, K/V GB/s
+  speedup  (a) full recompute (eager / torch.compile / CUDA graph, best taken) vs the
+           incremental step (extend 1 token + rank 256 candidates over the paged cache,
+           100% hits) for HSTU-3L/8L at batch 1/8/64, p50/p99; (b) incremental with the
+           torch attention vs the fused op, eager vs CUDA-graph replay
+  hitrate  (c) HSTU-8L batch 64: hit rates 100/90/50/0 %, misses onloaded from the
+           pinned host tier (streamrec.cache.host_tier) inside the timed step
+  aoti     (b) eager vs AOTInductor packages of extend and rank (HSTU-8L), bf16 error
+Every section also records the measured ceilings (copy GB/s, bf16 TFLOP/s) for (d).
+
+    CXX=/usr/bin/g++ python3 -m bench.h200_bench            # all sections
+    python3 -m bench.h200_bench --sections kernel --quick   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bench._report import print_table, write_results
+from bench.reference_config import BATCH_SIZES, HSTU_3L, HSTU_8L, SPEEDUP_HISTORY_LEN
+from bench.reference_config import ReferenceWorkload as Workload
+from streamrec.cache.block_pool import NoRoom
+from streamrec.cache.host_tier import HostTier
+from streamrec.cache.kv_cache import KVCache, KVCacheConfig
+from streamrec.models.attention import self_attention_term, silu_attention
+from streamrec.models.config import HSTUConfig
+from streamrec.models.hstu import HSTU, HSTULayer
+from streamrec.models.paged_attention import RANK_BLOCK_Q, paged_silu_attention_reference
+from streamrec.schemas.events import Action
+
+BLOCK_SIZE = 16
+BASE_TS = 1_700_000_000_000
+Step = Callable[[], Any]
+
+
+# ------------------------------------------------------------------ timing
+
+
+def time_ms(fn: Step, iters: int, warmup: int = 3) -> list[float]:
+    """Per-call device times (CUDA events around each call), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def pct(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples), q))
+
+
+def graphed(fn: Step) -> Step:
+    """CUDA-graph capture of ``fn`` (inputs fixed); replay cost is one launch."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def ceilings(quick: bool) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and the bf16 matmul rate, measured now."""
+    n = (1 << 28) if quick else (1 << 30)  # bf16 elements: 0.5 or 2 GiB
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy = min(time_ms(lambda: dst.copy_(src), 10))
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    mm = pct(time_ms(lambda: a @ b, 10), 50)
+    return {
+        "copy_gb_s": 2 * n * 2 / copy / 1e6,
+        "bf16_tflop_s": 2 * m**3 / mm / 1e9,
+    }
+
+
+# ------------------------------------------------------------------ setup
+
+
+def build_model(w: Workload, seed: int = 0) -> HSTU:
+    cfg = HSTUConfig(
+        num_items=w.num_items,
+        d_model=w.d_model,
+        num_layers=w.num_layers,
+        num_heads=w.num_heads,
+        head_dim=w.head_dim,
+        max_seq_len=w.max_seq_len,
+        dtype=w.dtype,
+    )
+    torch.manual_seed(seed)
+    model = HSTU(cfg).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            assert isinstance(layer, HSTULayer)
+            layer.pos_bias.normal_(0, 0.3)
+            layer.time_bias.normal_(0, 0.3)
+    return model.to("cuda", cfg.torch_dtype)
+
+
+class Batch:
+    """B users with ``history`` cached tokens each in a paged pool, one new event each,
+    and ``C`` candidates each; also the dense tensors a full recompute needs.
+
+    Each user's pool already holds a slot for the new event: ``extend`` reads the first
+    ``history`` tokens, its K/V are written into slot ``history`` and ``rank`` then reads
+    ``history + 1`` tokens, exactly what the full recompute sees.
+    """
+
+    def __init__(self, model: HSTU, batch: int, history: int, cands: int, seed: int) -> None:
+        cfg = model.config
+        gen = torch.Generator().manual_seed(seed)
+        dev = "cuda"
+        self.batch, self.history, self.cands = batch, history, cands
+        total = history + 1
+        per_user = math.ceil(total / BLOCK_SIZE)
+        kv_cfg = KVCacheConfig(
+            cfg.num_layers, cfg.num_heads, cfg.head_dim, BLOCK_SIZE, cfg.torch_dtype
+        )
+        self.cache = KVCache(kv_cfg, num_blocks=batch * per_user + 8, device=dev)
+        self.users = [f"u{i}" for i in range(batch)]
+        # Interleave users' blocks so no user's cache is contiguous.
+        for _ in range(per_user):
+            for u in self.users:
+                length = self.cache.pool.length(u) if u in self.cache.pool else 0
+                grown = self.cache.pool.append(u, min(BLOCK_SIZE, total - length))
+                assert not isinstance(grown, NoRoom)
+        self.cache.kv.normal_(0, 1)
+        gaps = torch.randint(1000, 10**7, (batch, history), generator=gen)
+        hist_ts = BASE_TS + gaps.cumsum(1)  # [B, L]
+        self.hist_items = torch.randint(1, cfg.num_items, (batch, history), generator=gen)
+        self.hist_actions = torch.randint(1, 4, (batch, history), generator=gen)
+        for b, u in enumerate(self.users):
+            table = np.asarray(self.cache.pool.block_table(u), dtype=np.int64)
+            pos = np.arange(history)
+            slots = torch.from_numpy(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            self.cache.ts.view(-1)[slots.to(dev)] = hist_ts[b].to(dev)
+        self.refresh_tables()
+        new_slots = [
+            self.cache.pool.block_table(u)[history // BLOCK_SIZE] * BLOCK_SIZE
+            + history % BLOCK_SIZE
+            for u in self.users
+        ]
+        self.new_slots = torch.tensor(new_slots, dtype=torch.int64, device=dev)  # [B]
+        now = hist_ts[:, -1] + 60_000
+        self.items = torch.randint(1, cfg.num_items, (batch,), generator=gen).to(dev)
+        self.actions = torch.ones(batch, dtype=torch.int64, device=dev)
+        self.ts = now.to(dev)
+        self.offsets = torch.arange(batch + 1, dtype=torch.int64, device=dev)
+        self.cand = torch.randint(1, cfg.num_items, (batch * cands,), generator=gen).to(dev)
+        self.cand_offsets = torch.arange(0, batch * cands + 1, cands, device=dev)
+        self.hist_ts = hist_ts.to(dev)
+        self.hist_items = self.hist_items.to(dev)
+        self.hist_actions = self.hist_actions.to(dev)
+
+    def refresh_tables(self) -> None:
+        self.tables, self.lens = self.cache.batch_tables(self.users)  # lens = history + 1
+        self.ext_lens = self.lens - 1
+
+    def incremental(self, model: HSTU) -> tuple[torch.Tensor, torch.Tensor]:
+        """extend (1 new token/user), write its K/V, rank C candidates (100% hits)."""
+        kv, ts_pool = self.cache.kv, self.cache.ts
+        k, v, emb = model.extend(
+            self.items, self.actions, self.ts, self.offsets, kv, ts_pool, self.tables,
+            self.ext_lens,
+        )  # fmt: skip
+        self.cache.write(self.new_slots, k, v, self.ts)
+        scores = model.rank(
+            self.cand, self.cand_offsets, self.ts, kv, ts_pool, self.tables, self.lens
+        )
+        return emb, scores
+
+
+def full_recompute(
+    model: HSTU,
+    items: torch.Tensor,
+    actions: torch.Tensor,
+    ts: torch.Tensor,
+    cand: torch.Tensor,
+    query_ts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """No cache: encode every user's whole history + new token, then rank candidates.
+
+    items, actions, ts [B, L] (history with the new event last); cand [B, C]. Dense
+    [B, L] rows of the true length (no padding to max_seq_len), the fairest baseline.
+    """
+    n = model.config.max_seq_len
+    x = model._embed(items, actions)  # [B, L, D]
+    xc = model._embed(cand, torch.full_like(cand, int(Action.CANDIDATE)))  # [B, C, D]
+    length = items.shape[1]
+    pos = torch.arange(length, device=items.device)
+    rel = (pos.unsqueeze(1) - pos.unsqueeze(0)).unsqueeze(0)  # [1, L, L]
+    dt = ts.unsqueeze(2) - ts.unsqueeze(1)  # [B, L, L]
+    mask = (rel >= 0).expand(items.shape[0], -1, -1)  # [B, L, L]
+    c_rel = (length - pos).view(1, 1, length)  # [1, 1, L]
+    c_dt = (query_ts.unsqueeze(1) - ts).unsqueeze(1)  # [B, 1, L]
+    c_mask = torch.ones_like(c_dt, dtype=torch.bool)  # [B, 1, L]
+    for layer in model.layers:
+        assert isinstance(layer, HSTULayer)
+        u, v, q, k = layer.project(x)  # [B, L, H, d]
+        attn = silu_attention(q, k, v, model._bias(layer, rel, dt).to(x.dtype), mask, n)
+        uc, vc, qc, kc = layer.project(xc)  # [B, C, H, d]
+        cb = model._bias(layer, c_rel, c_dt).to(x.dtype)  # [B, H, 1, L]
+        cattn = silu_attention(qc, k, v, cb, c_mask, n)
+        cattn = cattn + self_attention_term(qc, kc, vc, layer.bias0(), n)
+        x = layer.output(x, u, attn)
+        xc = layer.output(xc, uc, cattn)
+    emb = F.normalize(model.norm_out(x[:, -1]), dim=-1)
+    return emb, torch.sigmoid(model.task_head(model.norm_out(xc)))
+
+
+# ------------------------------------------------------------------ sections
+
+
+def kernel_section(quick: bool, ceil: dict[str, float]) -> list[dict[str, object]]:
+    """The fused op alone on one layer's pool: GB/s of K/V read, vs the torch path."""
+    rows: list[dict[str, object]] = []
+    model = build_model(HSTU_8L)
+    layer = model.layers[0]
+    assert isinstance(layer, HSTULayer)
+    cfg = model.config
+    batch = 16 if quick else 64
+    data = Batch(model, batch, SPEEDUP_HISTORY_LEN, HSTU_8L.num_candidates, seed=1)
+    hd = cfg.num_heads * cfg.head_dim
+    kv_bytes = int(data.lens.sum()) * hd * 2 * 2  # K and V of one layer, bf16
+    op = torch.ops.streamrec.paged_silu_attention
+    edges: torch.Tensor = model.time_edges  # type: ignore[assignment]
+    for kind, per_user in (("extend", 1), ("rank", HSTU_8L.num_candidates)):
+        g = batch * per_user
+        q = torch.randn(g, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+        users = torch.arange(batch, device="cuda").repeat_interleave(per_user)
+        pos = data.lens[users]
+        ts = data.ts[users]
+        args = (q, pos, ts, users, data.cache.kv[0, 0], data.cache.kv[0, 1], data.cache.ts,
+                data.tables, data.lens, layer.pos_bias, layer.time_bias, edges,
+                cfg.max_seq_len, cfg.time_bucket_width)  # fmt: skip
+        # The dense reference of 256 candidates x 64 users would need ~34 GB: check the
+        # first 512 queries (2 users for rank) against it.
+        sub = 512
+        ref_sub = [a[:sub] if i < 4 else a for i, a in enumerate(args[:-1])]  # type: ignore[index]
+        want = paged_silu_attention_reference(*ref_sub).float()  # type: ignore[arg-type]
+        variants = [(1, 128), (1, 256), (1, 512)] if kind == "extend" else [
+            (32, 0), (64, 0), (128, 0), (64, 512)
+        ]  # fmt: skip
+        for block_q, split in variants:
+            got = op(*args, block_q, split)
+            err = float((got[:sub].float() - want).norm() / want.norm())
+            ms = pct(time_ms(partial(op, *args, block_q, split), 20), 50)
+            flops = 4.0 * g * SPEEDUP_HISTORY_LEN * hd
+            rows.append({
+                "section": "kernel", "op": kind, "batch": batch, "impl": "triton",
+                "block_q": block_q, "keys_per_split": split, "ms": round(ms, 4),
+                "kv_gb_s": round(kv_bytes / ms / 1e6, 1),
+                "kv_pct_copy": round(100 * kv_bytes / ms / 1e6 / ceil["copy_gb_s"], 1),
+                "tflop_s": round(flops / ms / 1e9, 1), "rel_err_vs_fp32": round(err, 5),
+            })  # fmt: skip
+        if kind == "rank":
+            continue  # the dense torch path does not fit at this size (see speedup rows)
+        ms = pct(time_ms(partial(paged_silu_attention_reference, *args[:-1]), 5), 50)
+        rows.append({
+            "section": "kernel", "op": kind, "batch": batch, "impl": "torch-reference",
+            "ms": round(ms, 4), "kv_gb_s": round(kv_bytes / ms / 1e6, 1),
+        })  # fmt: skip
+    return rows
+
+
+def step_flops_bytes(w: Workload, batch: int, history: int) -> tuple[float, float]:
+    """FLOPs and minimal HBM bytes of one incremental step (extend + rank).
+
+    Bytes: every weight once plus each user's K/V read twice (extend and rank are
+    separate kernels); FLOPs: projections, attention over the cache, task head.
+    """
+    hd = w.num_heads * w.head_dim
+    tokens = batch * (1 + w.num_candidates)
+    per_layer = 2.0 * tokens * (w.d_model * 4 * hd + hd * w.d_model)
+    per_layer += 4.0 * tokens * history * hd
+    flops = w.num_layers * per_layer
+    weights = w.num_layers * (w.d_model * 5 * hd) * 2
+    kv = w.num_layers * batch * history * hd * 2 * 2
+    return float(flops), float(weights + 2 * kv)
+
+
+def speedup_section(
+    workloads: list[Workload], batches: list[int], iters: int, compile_baseline: bool,
+    ceil: dict[str, float],
+) -> list[dict[str, object]]:  # fmt: skip
+    rows: list[dict[str, object]] = []
+    for w in workloads:
+        model = build_model(w)
+        compiled = torch.compile(full_recompute, dynamic=False) if compile_baseline else None
+        for batch in batches:
+            data = Batch(model, batch, SPEEDUP_HISTORY_LEN, w.num_candidates, seed=batch)
+            items = torch.cat([data.hist_items, data.items[:, None]], 1)  # [B, L+1]
+            actions = torch.cat([data.hist_actions, data.actions[:, None]], 1)
+            ts = torch.cat([data.hist_ts, data.ts[:, None]], 1)
+            cand = data.cand.view(batch, w.num_candidates)
+            args = (model, items, actions, ts, cand, data.ts)
+            results: dict[str, list[float]] = {}
+            outputs: dict[str, torch.Tensor] = {}
+            with torch.no_grad():
+                base_iters = max(3, iters // 4) if batch >= 64 else iters
+                results["recompute-eager"] = time_ms(partial(full_recompute, *args), base_iters)
+                if compiled is not None:
+                    compiled(*args)
+                    results["recompute-compile"] = time_ms(lambda: compiled(*args), base_iters)  # noqa: B023
+                outputs["recompute"] = full_recompute(*args)[1].float()
+                for backend in ("torch", "triton"):
+                    model.attention_backend = backend
+                    step = partial(data.incremental, model)
+                    try:
+                        results[f"incremental-{backend}-eager"] = time_ms(step, iters)
+                    except torch.OutOfMemoryError:  # the dense gather of 256 cands x B users
+                        print(f"{w.name} batch {batch}: incremental-{backend} out of memory")
+                        torch.cuda.empty_cache()
+                        continue
+                    outputs[backend] = step()[1].float().view(batch, -1, model.config.num_tasks)
+                    try:
+                        results[f"incremental-{backend}-graph"] = time_ms(graphed(step), iters)
+                    except RuntimeError as exc:  # capture can fail on some paths
+                        print(f"graph capture failed ({backend}): {exc}")
+                model.attention_backend = "auto"
+            best_base = min(
+                (k for k in results if k.startswith("recompute")),
+                key=lambda k: pct(results[k], 50),
+            )
+            flops, nbytes = step_flops_bytes(w, batch, SPEEDUP_HISTORY_LEN)
+            floor_ms = max(flops / ceil["bf16_tflop_s"] / 1e9, nbytes / ceil["copy_gb_s"] / 1e6)
+            for name, samples in results.items():
+                p50 = pct(samples, 50)
+                row: dict[str, object] = {
+                    "section": "speedup", "workload": w.name, "batch": batch, "path": name,
+                    "p50_ms": round(p50, 3), "p99_ms": round(pct(samples, 99), 3),
+                    "speedup_vs_best_recompute": round(pct(results[best_base], 50) / p50, 2),
+                    "floor_ms": round(floor_ms, 3),
+                }  # fmt: skip
+                if name.startswith("incremental"):
+                    backend = name.split("-")[1]
+                    err = (outputs[backend] - outputs["recompute"]).abs().max()
+                    row["max_abs_err_vs_recompute"] = round(float(err), 4)
+                rows.append(row)
+            del data
+            torch.cuda.empty_cache()
+    return rows
+
+
+def hitrate_section(batch: int, iters: int) -> list[dict[str, object]]:
+    """Misses are onloaded from pinned host memory inside the timed step."""
+    rows: list[dict[str, object]] = []
+    torch.cuda.empty_cache()
+    model = build_model(HSTU_8L)
+    data = Batch(model, batch, SPEEDUP_HISTORY_LEN, HSTU_8L.num_candidates, seed=3)
+    cache = data.cache
+    host = HostTier(cache, num_blocks=cache.num_blocks)
+    for hit_rate in (1.0, 0.9, 0.5, 0.0):
+        misses = data.users[: round((1 - hit_rate) * batch)]
+        samples: list[float] = []
+        moved = 0
+        for it in range(iters + 2):
+            for u in misses:  # untimed: push the missing users out to the host tier
+                host.offload(u, cache.pool.block_table(u), cache.pool.length(u))
+                cache.pool.free(u)
+            host.synchronize()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for u in misses:
+                blocks = cache.pool.restore(u, host.length(u))
+                assert not isinstance(blocks, NoRoom)
+                moved += len(blocks) * cache.config.bytes_per_block
+                host.onload(u, blocks)
+            data.refresh_tables()
+            with torch.no_grad():
+                data.incremental(model)
+            torch.cuda.synchronize()
+            if it >= 2:
+                samples.append((time.perf_counter() - start) * 1e3)
+        rows.append({
+            "section": "hitrate", "workload": HSTU_8L.name, "batch": batch,
+            "hit_rate": hit_rate, "host_onloads": len(misses),
+            "p50_ms": round(pct(samples, 50), 3), "p99_ms": round(pct(samples, 99), 3),
+            "onload_gb_per_step": round(moved / (iters + 2) / 1e9, 3),
+        })  # fmt: skip
+    return rows
+
+
+def aoti_section(batches: list[int], iters: int) -> list[dict[str, object]]:
+    """Eager vs AOTInductor packages (extend and rank exported with the fused op)."""
+    from streamrec.models.aoti_export import ExportConfig, compile_entry_point
+
+    rows: list[dict[str, object]] = []
+    model = build_model(HSTU_8L)
+    runners: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("extend", "rank"):
+            path = Path(tmp) / f"{name}.pt2"
+            timings = compile_entry_point(
+                model, name, ExportConfig(entry_points=(name,)), torch.device("cuda"), path, print
+            )
+            runners[name] = torch._inductor.aoti_load_package(str(path))
+            rows.append({"section": "aoti", "entry_point": name, **timings})
+        for batch in batches:
+            data = Batch(model, batch, SPEEDUP_HISTORY_LEN, HSTU_8L.num_candidates, seed=batch)
+            kv, tsp = data.cache.kv, data.cache.ts
+            ext = (data.items, data.actions, data.ts, data.offsets, kv, tsp, data.tables, data.lens)
+            rnk = (data.cand, data.cand_offsets, data.ts, kv, tsp, data.tables, data.lens)
+
+            def aoti_step() -> Any:
+                return runners["extend"](*ext)[2], runners["rank"](*rnk)  # noqa: B023
+
+            with torch.no_grad():
+                eager = time_ms(lambda: data.incremental(model), iters)  # noqa: B023
+                aoti = time_ms(aoti_step, iters)
+                want = data.incremental(model)[1].float()
+                got = aoti_step()[1].float()
+            rows.append({
+                "section": "aoti", "workload": HSTU_8L.name, "batch": batch,
+                "eager_p50_ms": round(pct(eager, 50), 3), "aoti_p50_ms": round(pct(aoti, 50), 3),
+                "aoti_p99_ms": round(pct(aoti, 99), 3),
+                "speedup": round(pct(eager, 50) / pct(aoti, 50), 2),
+                "rank_max_abs_err": round(float((got - want).abs().max()), 5),
+            })  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--sections", nargs="+", default=["kernel", "speedup", "hitrate"],
+        choices=["kernel", "speedup", "hitrate", "aoti"],
+    )  # fmt: skip
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCH_SIZES))
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile baseline")
+    parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    parser.add_argument("--out", default=None, help="results directory (default bench/results)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA device (the H200 of issue 8)")
+    t0 = time.perf_counter()
+    ceil = ceilings(args.quick)
+    print(f"ceilings: {ceil}", flush=True)
+    rows: list[dict[str, object]] = []
+    workloads = [HSTU_3L, HSTU_8L]
+    for section in args.sections:
+        start = time.perf_counter()
+        if section == "kernel":
+            with torch.no_grad():
+                rows += kernel_section(args.quick, ceil)
+        elif section == "speedup":
+            rows += speedup_section(workloads, args.batches, args.iters, not args.no_compile, ceil)
+        elif section == "hitrate":
+            rows += hitrate_section(max(args.batches), args.iters)
+        else:
+            rows += aoti_section(args.batches, args.iters)
+        print(f"section {section}: {time.perf_counter() - start:.0f} s", flush=True)
+        print_table([r for r in rows if r["section"] == section])
+    meta: dict[str, object] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _triton_version(),
+        "ceilings": ceil,
+        "history": SPEEDUP_HISTORY_LEN,
+        "rank_block_q": RANK_BLOCK_Q,
+        "sections": args.sections,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    out_dir = Path(args.out) if args.out else None
+    path = (
+        write_results("h200", rows, meta, out_dir) if out_dir else write_results("h200", rows, meta)
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "absent"
+    return str(triton.__version__)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
