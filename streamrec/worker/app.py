@@ -20,6 +20,11 @@ their queued deltas), wait for the batch in flight up to the drain bound, flush 
 producer, commit, forget the partitions (new generation next time), drop their users from
 the caches. Shutdown is the same for every partition: stop fetching, drain the batcher,
 flush, commit, leave the group.
+
+A replaced log (the broker lost its data and offsets restart at 0: ``LogScopedStore``)
+is detected by the cluster id, asked before every store append and every commit; the
+worker then stops with status 1 before applying or committing anything of the new log,
+and its restart binds the new log's id.
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ from streamrec.schemas.events import EventKind
 from streamrec.schemas.records import DeadLetter, Recommendation
 from streamrec.worker.config import ModelConfig, WorkerConfig
 from streamrec.worker.consumer import TP, KafkaInput
+from streamrec.worker.event_time_policy import EventTimePolicy
 from streamrec.worker.http_server import HttpServer, Response
+from streamrec.worker.log_scoped_store import LogScopedStore
 from streamrec.worker.metrics import WorkerMetrics
 from streamrec.worker.model_loader import LoadedModel, load_model
 from streamrec.worker.offset_tracker import OffsetTracker, OffsetTrackerStats
@@ -117,6 +124,9 @@ class App:
         self.loaded = model
         self._store = store
         self._owns_store = store is None  # an injected store is closed by whoever made it
+        self._scoped: LogScopedStore | None = None
+        self._log_replaced = False
+        self._time_policy = EventTimePolicy(config.topics.max_future_skew_ms)
         self.engine: Engine | None = None
         self._on_published = on_published
         self._kinds = {
@@ -148,6 +158,8 @@ class App:
             await self._prepare()
             if not await self.input.start(self._stopping):
                 return 0
+            assert self._scoped is not None
+            self._scoped.bind(await self.input.cluster_id())
             await self.publisher.start()
             tasks = [
                 asyncio.create_task(self._fetch_loop(), name="streamrec-fetch"),
@@ -199,10 +211,11 @@ class App:
             self._store = open_history_store(self.config.store.url, hstu.max_seq_len)
         tiers = self._build_tiers(loaded)
         scoring = serving_scoring(self.config.model, hstu)
+        self._scoped = LogScopedStore(self._store)
         self.engine = Engine(
             loaded.model,
             tiers,
-            self._store,
+            self._scoped,
             loaded.checkpoint.vocab,
             hstu.task_names,
             EngineConfig(
@@ -300,18 +313,23 @@ class App:
         self._consumed += len(records)
         self.metrics.consumed(topic, len(records))
         decoded = decode_batch(records, self._kinds[topic], self.config.topics.max_record_bytes)
+        events, too_new = self._time_policy.split(decoded.events, records, int(time.time() * 1000))
         users = self._users_by_tp.setdefault(tp, set())
-        for item in decoded.events:
+        for item in events:
             users.add(item.event.user_id)
             delta = Delta.from_event(item.event, item.topic, item.partition, item.offset)
             while not self.batcher.submit(delta):  # over capacity: wait for the engine
                 await _wait_either(self.batcher.wait_resumed(), self._stopping)
                 if self._stopping.is_set() or tp not in self._owned:
                     return
-        if decoded.errors:
-            self._invalid += len(decoded.errors)
-            self.metrics.invalid(topic, {k.value: n for k, n in decoded.error_counts().items()})
-            for rejected in decoded.errors:
+        errors = [*decoded.errors, *too_new]
+        if errors:
+            self._invalid += len(errors)
+            counts: dict[str, int] = {}
+            for rejected in errors:
+                counts[rejected.kind.value] = counts.get(rejected.kind.value, 0) + 1
+            self.metrics.invalid(topic, counts)
+            for rejected in errors:
                 if tp not in self._owned:
                     return
                 await self._send_dead_letter(tp, rejected, generation)
@@ -356,6 +374,8 @@ class App:
                     for d in u.deltas
                 }
                 async with self._engine_lock:
+                    if not await self._same_log(wait=True):
+                        continue  # never applied: re-read from the new log after a restart
                     results = await engine.process(batch)
                     for result in results:
                         await self._publish(result, generations)
@@ -409,6 +429,8 @@ class App:
         wanted = {tp: pos for tp, pos in wanted.items() if self._committed.get(tp) != pos}
         if not wanted:
             return True
+        if not await self._same_log(wait=False):
+            return False  # these positions belong to a log the broker no longer has
         started = time.perf_counter()
         try:
             await self.input.commit(wanted)
@@ -420,6 +442,39 @@ class App:
         self._commits += 1
         self.metrics.committed(time.perf_counter() - started, time.time())
         return True
+
+    async def _same_log(self, *, wait: bool) -> bool:
+        """True if the broker still serves the log bound at start (same cluster id).
+
+        Asked right before an append or a commit: an answer with the bound id proves every
+        record fetched before it came from that log (ids only ever change to new ones).
+        While the broker is unreachable, ``wait`` retries with backoff until it answers
+        or the worker stops; without it the answer is False.
+        """
+        scoped = self._scoped
+        assert scoped is not None
+        delay = 0.05
+        while not self._log_replaced:
+            try:
+                current = await self.input.cluster_id()
+            except (KafkaError, BrokerError) as exc:
+                if not wait or self._stopping.is_set():
+                    return False
+                log.warning("cluster id unavailable, retrying", extra={"error": repr(exc)})
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+                delay = min(delay * 2, self.config.kafka.connect_retry_max_s)
+                continue
+            if current == scoped.log_id:
+                return True
+            self._log_replaced = True
+            self._fatal(
+                BrokerError(
+                    f"the input log was replaced: cluster id {scoped.log_id!r} is now "
+                    f"{current!r} (offsets restart at 0); restart to bind the new log"
+                )
+            )
+        return False
 
     # ------------------------------------------------------------------ rebalance
 

@@ -218,9 +218,12 @@ class TopicsConfig(_Section):
     dead_letter: str = "streamrec-dlq"
     output_format: str = "msgpack"
     max_record_bytes: int = 65_536  # larger input records are dead-lettered as oversized
+    # An event time further than this ahead of the worker's wall clock is dead-lettered as
+    # out_of_range: it would pin ``last_event_ts_ms`` and the time bias in the future.
+    max_future_skew_ms: int = 86_400_000
 
     def _validate(self) -> None:
-        self._positive("max_record_bytes")
+        self._positive("max_record_bytes", "max_future_skew_ms")
         names = ("playback", "interaction", "output", "dead_letter")
         for name in names:
             topic = getattr(self, name)

@@ -28,6 +28,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError
+from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from streamrec.errors import BrokerError
@@ -107,6 +108,20 @@ class KafkaInput:
             consumer.subscribe(list(self._topics.input_topics()), listener=self._listener)
             return True
         return False
+
+    async def cluster_id(self) -> str:
+        """The id of the cluster behind the bootstrap address, asked afresh (Metadata v2+).
+
+        The worker scopes its offset watermarks by it (``LogScopedStore``): a new id means
+        a new log whose offsets restart at 0. Raises aiokafka's errors while unreachable.
+        """
+        client = self.consumer._client  # aiokafka keeps the id out of its public API
+        node = client.get_random_node()
+        if node is None:
+            raise BrokerError(f"no broker known at {self._kafka.bootstrap_servers!r}")
+        response = await client.send(node, MetadataRequest([]))
+        found: str | None = getattr(response, "cluster_id", None)
+        return found or ""
 
     async def check_copartitioned(self) -> dict[str, int]:
         """Partition count per input topic; BrokerError unless both exist and are equal."""

@@ -57,6 +57,9 @@ def free_port(host: str = "127.0.0.1", port: int = 0) -> int:
     milliseconds after start, and meanwhile whatever owns the port answers for it.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # Like the broker's own listener: a port whose old connections linger in TIME_WAIT
+        # (a broker restarted on its port) is free; a port someone listens on is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:

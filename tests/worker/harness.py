@@ -4,6 +4,11 @@ records, topic readers, and the end-state check against the offline full recompu
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
+import signal
+import socket
+import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -26,7 +31,7 @@ from streamrec.schemas.events import InteractionEvent, PlaybackEvent
 from streamrec.schemas.records import DeadLetter, Recommendation
 from streamrec.schemas.validation import ErrorKind
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER
-from streamrec.worker.app import serving_scoring
+from streamrec.worker.app import App, serving_scoring
 from streamrec.worker.config import (
     BatchingConfig,
     CacheConfig,
@@ -88,6 +93,12 @@ def make_topics(broker: object, unique_topic: Callable[[str], str]) -> Topics:
         unique_topic("recs"),
         unique_topic("dlq"),
     )
+    create_topics(broker, topics)
+    return topics
+
+
+def create_topics(broker: object, topics: Topics) -> None:
+    """The four topics with the test layout (again, on a broker that lost them)."""
     broker.create_topics(  # type: ignore[attr-defined]
         {
             topics.playback: PARTITIONS,
@@ -96,7 +107,6 @@ def make_topics(broker: object, unique_topic: Callable[[str], str]) -> Topics:
             topics.dead_letter: 1,
         }
     )
-    return topics
 
 
 def worker_config(
@@ -324,3 +334,111 @@ def assert_matches_recompute(
         assert rec.item_ids == [ckpt.vocab.external(int(r)) for r in want.items], user
         got = np.array([score for _, score in rec.items])
         np.testing.assert_allclose(got, want.scores, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- fault tests (issue 9)
+
+
+class RedisServer:
+    """A private ``redis-server`` on a free port, to stop and resume without touching the
+    shared server. No persistence: SIGSTOP/SIGCONT keeps the data, a kill loses it."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def url(self, prefix: str, socket_timeout_s: float = 0.5) -> str:
+        return f"redis://127.0.0.1:{self.port}/0?socket_timeout={socket_timeout_s}&prefix={prefix}"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise AssertionError("redis-server is not on PATH")
+        self._proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock,
+            ):
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return self
+            time.sleep(0.05)
+        self.stop()
+        raise AssertionError(f"redis-server on port {self.port} did not answer PING")
+
+    def pause(self) -> None:
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.send_signal(signal.SIGCONT)  # a stopped process ignores SIGTERM until then
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@dataclass
+class Published:
+    """Every recommendation an in-process worker had acknowledged (``App(on_published=)``):
+    survives a broker that lost its output topic."""
+
+    latest: dict[str, Recommendation] = field(default_factory=dict)
+    count: int = 0
+
+    def __call__(self, rec: Recommendation, latency_s: float) -> None:
+        self.count += 1
+        have = self.latest.get(rec.user_id)
+        if have is None or rec.version >= have.version:
+            self.latest[rec.user_id] = rec
+
+
+def app_committed(app: App) -> int:
+    """Records an in-process worker has committed, over all partitions."""
+    return sum(app.stats().committed.values())
+
+
+def assert_end_state(
+    model_dir: Path,
+    config: WorkerConfig,
+    valid: Mapping[str, int],
+    histories: Mapping[str, History],
+    latest: Mapping[str, Recommendation],
+    max_seq_len: int = 64,
+) -> None:
+    """The worker issue's end-state check: every valid event applied exactly once (nothing
+    lost, no token duplicated), every user's last list covers all its events and equals
+    the offline recompute."""
+    for user, count in valid.items():
+        assert histories[user].total_appended == count, (user, histories[user].total_appended)
+        assert len(histories[user]) == min(count, max_seq_len), user
+    assert {u: r.version for u, r in latest.items()} == dict(valid)
+    assert_matches_recompute(model_dir, config, {u: histories[u] for u in valid}, latest)
+
+
+async def start_app(app: App, timeout_s: float = 60) -> asyncio.Task[int]:
+    task = asyncio.create_task(app.run())
+    await wait_until(lambda: app.ready or task.done(), timeout_s, "the worker to be ready")
+    assert not task.done(), "the worker stopped before it was ready"
+    return task
+
+
+def letter_values(letters: list[DeadLetter]) -> list[bytes]:
+    """The dead-lettered record values, sorted (every input record has a value)."""
+    values = [letter.value for letter in letters]
+    assert all(v is not None for v in values)
+    return sorted(v for v in values if v is not None)
