@@ -94,12 +94,11 @@ def make_inputs(shape: BenchShape, batch: int, device: torch.device, seed: int) 
     actions = torch.randint(1, cfg.num_actions, (batch,), generator=gen)
     ts = torch.full((batch,), BASE_TS + 10**10, dtype=torch.int64)
     offsets = torch.arange(batch + 1, dtype=torch.int64)
-    cands = torch.randint(1, cfg.num_items, (batch * shape.candidates,), generator=gen)
-    cand_offsets = torch.arange(batch + 1, dtype=torch.int64) * shape.candidates
+    cands = torch.randint(1, cfg.num_items, (batch, shape.candidates), generator=gen)
     pool = [t.to(device) for t in (ts_pool, tables, lens)]
     return StepInputs(
         extend=(*(t.to(device) for t in (items, actions, ts, offsets)), kv, *pool),
-        rank=(*(t.to(device) for t in (cands, cand_offsets, ts)), kv, *pool),
+        rank=(*(t.to(device) for t in (cands, ts)), kv, *pool),
     )
 
 

@@ -163,16 +163,13 @@ class _Rank(nn.Module):
     def forward(
         self,
         cand_items: torch.Tensor,
-        cand_offsets: torch.Tensor,
         query_ts: torch.Tensor,
         kv_pool: torch.Tensor,
         ts_pool: torch.Tensor,
         block_tables: torch.Tensor,
         cached_lens: torch.Tensor,
     ) -> torch.Tensor:
-        return self.model.rank(
-            cand_items, cand_offsets, query_ts, kv_pool, ts_pool, block_tables, cached_lens
-        )
+        return self.model.rank(cand_items, query_ts, kv_pool, ts_pool, block_tables, cached_lens)
 
 
 class _Retrieve(nn.Module):
@@ -214,10 +211,9 @@ def _example(model: HSTU, name: str, device: torch.device) -> tuple[torch.Tensor
     elif name == "extend":
         out = (items, actions, ts, offsets, kv_pool, ts_pool, tables, cached)
     elif name == "rank":
-        cand = torch.randint(1, cfg.num_items, (_EX_CANDS,), generator=gen)
-        cand_offsets = torch.tensor([0, 5, 6, _EX_CANDS], dtype=torch.int64)
+        cand = torch.randint(1, cfg.num_items, (_EX_USERS, _EX_CANDS), generator=gen)
         query_ts = torch.full((_EX_USERS,), 1_700_000_100_000, dtype=torch.int64)
-        out = (cand, cand_offsets, query_ts, kv_pool, ts_pool, tables, cached)
+        out = (cand, query_ts, kv_pool, ts_pool, tables, cached)
     else:
         user_emb = torch.randn(_EX_USERS, cfg.d_model, generator=gen).to(dtype)
         exclude = torch.full((_EX_USERS, _EX_EXCLUDE), -1, dtype=torch.int64)
@@ -239,8 +235,8 @@ def _dynamic_shapes(name: str) -> tuple[dict[int, Any], ...]:
         tokens = {0: Dim("T", min=1)}
         return (tokens, tokens, tokens, offsets, pool, ts_pool, tables, per_user)
     if name == "rank":
-        cands = {0: Dim("C", min=1)}
-        return (cands, offsets, per_user, pool, ts_pool, tables, per_user)
+        cands = {0: users, 1: Dim("C", min=1)}
+        return (cands, per_user, pool, ts_pool, tables, per_user)
     return (per_user, {0: users, 1: Dim("E", min=1)})
 
 

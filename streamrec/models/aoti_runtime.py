@@ -80,7 +80,8 @@ class AOTIModel:
         cached_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self._tokens("extend", items, actions, ts)
-        self._pool("extend", offsets, kv_pool, ts_pool, block_tables, cached_lens)
+        self._tensor("extend", "offsets", offsets, _I64, 1)
+        self._pool("extend", offsets.shape[0] - 1, kv_pool, ts_pool, block_tables, cached_lens)
         self._offsets("extend", offsets, items.shape[0], None, block_tables, ts_pool, cached_lens)
         k, v, user_emb = self._runner("extend")(
             items, actions, ts, offsets, kv_pool, ts_pool, block_tables, cached_lens
@@ -90,23 +91,29 @@ class AOTIModel:
     def rank(
         self,
         cand_items: torch.Tensor,
-        cand_offsets: torch.Tensor,
         query_ts: torch.Tensor,
         kv_pool: torch.Tensor,
         ts_pool: torch.Tensor,
         block_tables: torch.Tensor,
         cached_lens: torch.Tensor,
     ) -> torch.Tensor:
-        self._tensor("rank", "cand_items", cand_items, _I64, 1)
-        self._pool("rank", cand_offsets, kv_pool, ts_pool, block_tables, cached_lens)
-        self._tensor("rank", "query_ts", query_ts, _I64, 1, cached_lens.shape[0])
-        if cand_items.shape[0] == 0:  # nothing to score; the graph wants C >= 1
-            return torch.empty(0, self.config.num_tasks, dtype=self.dtype, device=self.device)
-        self._offsets(
-            "rank", cand_offsets, cand_items.shape[0], None, block_tables, ts_pool, cached_lens
-        )
+        self._tensor("rank", "cand_items", cand_items, _I64, 2)
+        users, cands = cand_items.shape
+        self._pool("rank", users, kv_pool, ts_pool, block_tables, cached_lens)
+        self._tensor("rank", "query_ts", query_ts, _I64, 1, users)
+        if cands == 0:  # nothing to score; the graph wants C >= 1
+            return torch.empty(
+                users, 0, self.config.num_tasks, dtype=self.dtype, device=self.device
+            )
+        if self.check_values:
+            capacity = block_tables.shape[1] * ts_pool.shape[1]
+            if not bool(((cached_lens >= 0) & (cached_lens <= capacity)).all()):
+                raise ModelError(
+                    f"rank: cached_lens {cached_lens[:8].tolist()} must lie in 0..{capacity} "
+                    f"(block_tables {tuple(block_tables.shape)} x block size {ts_pool.shape[1]})"
+                )
         scores: torch.Tensor = self._runner("rank")(
-            cand_items, cand_offsets, query_ts, kv_pool, ts_pool, block_tables, cached_lens
+            cand_items, query_ts, kv_pool, ts_pool, block_tables, cached_lens
         )
         return scores
 
@@ -177,17 +184,15 @@ class AOTIModel:
     def _pool(
         self,
         entry: str,
-        offsets: torch.Tensor,
+        users: int,
         kv_pool: torch.Tensor,
         ts_pool: torch.Tensor,
         block_tables: torch.Tensor,
         cached_lens: torch.Tensor,
     ) -> None:
         cfg = self.config
-        self._tensor(entry, "offsets", offsets, _I64, 1)
-        users = offsets.shape[0] - 1
         if users < 1:
-            raise ModelError(f"{entry}: offsets has {offsets.shape[0]} entries, need B + 1 >= 2")
+            raise ModelError(f"{entry}: a batch of {users} users; need B >= 1")
         self._tensor(
             entry, "kv_pool", kv_pool, self.dtype, 6,
             cfg.num_layers, 2, None, None, cfg.num_heads, cfg.head_dim,

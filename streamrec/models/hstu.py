@@ -25,8 +25,8 @@ from streamrec.models.attention import (
 )
 from streamrec.models.config import HSTUConfig
 from streamrec.models.paged_attention import (
-    RANK_BLOCK_Q,
     fused_attention_enabled,
+    fused_candidate_attention,
     fused_context_attention,
 )
 from streamrec.schemas.events import Action
@@ -117,9 +117,15 @@ class HSTU(nn.Module):
 
     @staticmethod
     def _token_users(offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """users[T]: the batch row of each jagged token."""
+        """users[T]: the batch row of each jagged token.
+
+        The clamp is a no-op for valid offsets; it keeps every index in range when a
+        compiler runs the graph on placeholder inputs (AOTInductor autotunes kernels on
+        zero-filled tensors, where ``searchsorted`` would answer B for every token).
+        """
         ar = torch.arange(num_tokens, device=offsets.device, dtype=offsets.dtype)
-        return torch.searchsorted(offsets, ar, right=True) - 1
+        users = torch.searchsorted(offsets, ar, right=True) - 1
+        return users.clamp(0, offsets.shape[0] - 2)
 
     def _gather_context(
         self,
@@ -153,40 +159,58 @@ class HSTU(nn.Module):
         ts_pool: torch.Tensor,
         block_tables: torch.Tensor,
         cached_lens: torch.Tensor,
-        block_q: int = 1,
     ) -> torch.Tensor:
-        """Contribution of each query's cached keys. q [G, H, d]; pos, ts, users [G].
-
-        block_q: query tile of the fused kernel (1 for new tokens, larger for candidates).
-        """
+        """Contribution of each new token's cached keys. q [G, H, d]; pos, ts, users [G]."""
+        layer = self.layers[layer_idx]
+        assert isinstance(layer, HSTULayer)
         if fused_attention_enabled(self.attention_backend, q):
-            layer = self.layers[layer_idx]
-            assert isinstance(layer, HSTULayer)
             return fused_context_attention(
-                q,
-                pos,
-                ts,
-                users,
-                kv_pool[layer_idx],
-                ts_pool,
-                block_tables,
-                cached_lens,
-                layer.pos_bias,
-                layer.time_bias,
-                self.time_edges,  # type: ignore[arg-type]
+                q, pos, ts, users, kv_pool[layer_idx], ts_pool, block_tables, cached_lens,
+                layer.pos_bias, layer.time_bias, self.time_edges,  # type: ignore[arg-type]
                 self.config.max_seq_len,
-                self.config.time_bucket_width,
-                block_q,
-            )
+            )  # fmt: skip
         k, v, k_ts = self._gather_context(layer_idx, kv_pool, ts_pool, block_tables[users])
         span = k.shape[1]
         key_pos = torch.arange(span, device=q.device, dtype=torch.int64)  # [S]
         mask = (key_pos.unsqueeze(0) < cached_lens[users].unsqueeze(1)).unsqueeze(1)  # [G,1,S]
         rel = (pos.unsqueeze(1) - key_pos.unsqueeze(0)).unsqueeze(1)  # [G, 1, S]
         dt = (ts.unsqueeze(1) - k_ts).unsqueeze(1)  # [G, 1, S]
-        bias = self._bias(self.layers[layer_idx], rel, dt).to(q.dtype)  # type: ignore[arg-type]
+        bias = self._bias(layer, rel, dt).to(q.dtype)  # [G, H, 1, S]
         out = silu_attention(q.unsqueeze(1), k, v, bias, mask, self.config.max_seq_len)
         return out.squeeze(1)  # [G, H, d]
+
+    def _candidate_attention(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        query_ts: torch.Tensor,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Cached-context attention of every user's candidates. q [B, C, H, d].
+
+        All of user b's candidates sit at position cached_lens[b] with timestamp
+        query_ts[b], so they share one bias row per key and one read of b's K/V.
+        """
+        layer = self.layers[layer_idx]
+        assert isinstance(layer, HSTULayer)
+        if fused_attention_enabled(self.attention_backend, q):
+            return fused_candidate_attention(
+                q, cached_lens, query_ts, kv_pool[layer_idx], ts_pool, block_tables,
+                cached_lens, layer.pos_bias, layer.time_bias,
+                self.time_edges,  # type: ignore[arg-type]
+                self.config.max_seq_len,
+            )  # fmt: skip
+        k, v, k_ts = self._gather_context(layer_idx, kv_pool, ts_pool, block_tables)  # [B,S,H,d]
+        span = k.shape[1]
+        key_pos = torch.arange(span, device=q.device, dtype=torch.int64)  # [S]
+        mask = (key_pos.unsqueeze(0) < cached_lens.unsqueeze(1)).unsqueeze(1)  # [B, 1, S]
+        rel = (cached_lens.unsqueeze(1) - key_pos.unsqueeze(0)).unsqueeze(1)  # [B, 1, S]
+        dt = (query_ts.unsqueeze(1) - k_ts).unsqueeze(1)  # [B, 1, S]
+        bias = self._bias(layer, rel, dt).to(q.dtype)  # [B, H, 1, S]
+        return silu_attention(q, k, v, bias, mask, self.config.max_seq_len)  # [B, C, H, d]
 
     # ----------------------------------------------------------- dense paths
 
@@ -228,31 +252,35 @@ class HSTU(nn.Module):
         actions: torch.Tensor,
         ts: torch.Tensor,
         valid: torch.Tensor,
-        next_items: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        next_items: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """History outputs and, for each position i, the task logits of item i+1 as a
         ranking candidate (position i+1, action CANDIDATE, timestamp ts_i) — exactly the
         regime ``rank`` serves in. All inputs [B, L]; returns user vectors [B, L, D]
-        (normalised) and task logits [B, L, num_tasks].
+        (normalised) and task logits [B, L, num_tasks] (None without ``next_items``,
+        which halves the cost when the heads are not trained).
         """
         x = self._embed(items, actions)  # [B, L, D]
-        cand_actions = torch.full_like(next_items, int(Action.CANDIDATE))
-        xc = self._embed(next_items, cand_actions)  # [B, L, D]
+        xc = None
+        if next_items is not None:
+            cand_actions = torch.full_like(next_items, int(Action.CANDIDATE))
+            xc = self._embed(next_items, cand_actions)  # [B, L, D]
         rel, dt, mask = self._dense_geometry(ts, valid)
+        n = self.config.max_seq_len
         for layer in self.layers:
             assert isinstance(layer, HSTULayer)
             u, v, q, k = layer.project(x)
-            uc, vc, qc, kc = layer.project(xc)
             bias = self._bias(layer, rel, dt).to(x.dtype)
-            attn = silu_attention(q, k, v, bias, mask, self.config.max_seq_len)
-            # Candidate at position i+1 sees history 0..i (distance one more) and itself.
-            cbias = self._bias(layer, rel + 1, dt).to(x.dtype)
-            cattn = silu_attention(qc, k, v, cbias, mask, self.config.max_seq_len)
-            cattn = cattn + self_attention_term(qc, kc, vc, layer.bias0(), self.config.max_seq_len)
-            x = layer.output(x, u, attn)
-            xc = layer.output(xc, uc, cattn)
+            if xc is not None:
+                uc, vc, qc, kc = layer.project(xc)
+                # Candidate at position i+1 sees history 0..i (one further away) and itself.
+                cbias = self._bias(layer, rel + 1, dt).to(x.dtype)
+                cattn = silu_attention(qc, k, v, cbias, mask, n)
+                cattn = cattn + self_attention_term(qc, kc, vc, layer.bias0(), n)
+                xc = layer.output(xc, uc, cattn)
+            x = layer.output(x, u, silu_attention(q, k, v, bias, mask, n))
         user = F.normalize(self.norm_out(x), dim=-1)
-        return user, self.task_head(self.norm_out(xc))
+        return user, None if xc is None else self.task_head(self.norm_out(xc))
 
     def item_table(self) -> torch.Tensor:
         """Normalised item rows [num_items, D]: the retrieval side of the cosine score."""
@@ -352,31 +380,26 @@ class HSTU(nn.Module):
     def rank(
         self,
         cand_items: torch.Tensor,
-        cand_offsets: torch.Tensor,
         query_ts: torch.Tensor,
         kv_pool: torch.Tensor,
         ts_pool: torch.Tensor,
         block_tables: torch.Tensor,
         cached_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """Candidates -> task probabilities [C, num_tasks]; reads the cache, writes nothing.
+        """Candidates [B, C] -> task probabilities [B, C, num_tasks]; writes nothing.
 
         Candidate c of user b sits at position cached_lens[b] with action CANDIDATE and
         timestamp query_ts[b]; it sees b's cache and itself, never another candidate.
         """
-        num_cands = cand_items.shape[0]
-        users = self._token_users(cand_offsets, num_cands)  # [C]
-        pos = cached_lens[users]  # [C]
-        ts = query_ts[users]  # [C]
         x = self._embed(cand_items, torch.full_like(cand_items, int(Action.CANDIDATE)))
         for idx, layer in enumerate(self.layers):
             assert isinstance(layer, HSTULayer)
-            u, v, q, k = layer.project(x)  # [C, H, d]
-            cached = self._context_attention(
-                idx, q, pos, ts, users, kv_pool, ts_pool, block_tables, cached_lens, RANK_BLOCK_Q
+            u, v, q, k = layer.project(x)  # [B, C, H, d]
+            cached = self._candidate_attention(
+                idx, q, query_ts, kv_pool, ts_pool, block_tables, cached_lens
             )
             own = self_attention_term(q, k, v, layer.bias0(), self.config.max_seq_len)
-            x = layer.output(x, u, cached + own)
+            x = layer.output(x, u, cached + own)  # [B, C, D]
         return torch.sigmoid(self.task_head(self.norm_out(x)))
 
     def retrieve(

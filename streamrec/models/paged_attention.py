@@ -1,27 +1,25 @@
 # mypy: disable-error-code="no-untyped-def"
 # (Triton reads the annotations of @jit kernels, so their parameters stay unannotated.)
-"""Fused paged SiLU attention over the KV cache: one Triton kernel, one custom op.
+"""Fused paged SiLU attention over the KV cache: two Triton kernels, two custom ops.
 
 The torch path of ``HSTU._context_attention`` gathers every query's cached K/V into a
-dense copy and materialises the ``[queries × keys]`` score tensor in HBM, reading it back
-several times; on the H200 that left ~90% of the step's bandwidth to scores instead of
-K/V (issue 8). The kernel here walks each user's block table, keeps scores in registers
-and accumulates in fp32, so K/V are read once per (query tile, head) and nothing of size
-queries × keys ever reaches memory.
+dense copy and materialises the ``[queries × keys]`` score tensor in HBM; on the H200
+that left ~90% of the step's bandwidth to scores instead of K/V (issue 8). The kernels
+here walk each user's block table, keep scores in registers and accumulate in fp32.
 
-Two launch shapes, picked by the caller (never from tensor values, so the grid exports):
-- ``block_q == 1`` (extend/decode: ~1 query per user): one query per program and the
-  user's keys split over ``keys_per_split`` chunks for parallelism; partial sums are fp32
-  and added afterwards (SiLU attention has no softmax, so splits add exactly).
-- ``block_q >= 16`` (rank: a user's candidates are contiguous): a tile of queries shares
-  each loaded K/V block through ``tl.dot``; a tile that spans several users loops over
-  them. When all of a user's queries in a tile share position and timestamp (candidates
-  do) the relative bias is computed once per key instead of once per score.
+- ``paged_silu_attention`` (extend: new tokens, ~1 per user, each with its own position
+  and timestamp): one query per program, vector math, memory-bound.
+- ``paged_silu_attention_candidates`` (rank: C candidates per user, all at the user's
+  next position and newest timestamp): a tile of one user's candidates shares every
+  loaded K/V tile through ``tl.dot``, and the relative bias is computed once per key.
 
-Registered as ``torch.ops.streamrec.paged_silu_attention`` via ``triton_op`` +
-``wrap_triton`` so ``torch.export`` keeps it as one node and AOTInductor packages the
-kernel (the fake implementation is derived by ``triton_op``). Without Triton (the CPU CI
-machine) only the torch reference below exists and ``triton_available()`` is False.
+Both cut a user's keys into ranges when the batch alone would leave the GPU idle: SiLU
+attention has no softmax, so the partial sums of key ranges add exactly (fp32 atomics
+into a zeroed output). The time bucket is computed from the integer edges held in
+registers (no dependent table loads in the key loop). Grids depend on shapes only, never
+on tensor values, so both ops export: ``triton_op`` + ``wrap_triton`` keep each as one
+graph node and AOTInductor packages the kernels. Without Triton (the CPU CI machine) only
+the torch reference below exists and ``triton_available()`` is False.
 """
 
 from __future__ import annotations
@@ -40,10 +38,16 @@ except ImportError:  # pragma: no cover - exercised on the CPU CI machine
     triton = None
     tl = None
 
-OP_NAME = "streamrec::paged_silu_attention"
-DEFAULT_BLOCK_N = 64
-DEFAULT_KEYS_PER_SPLIT = 256
-RANK_BLOCK_Q = 64
+OP_DECODE = "streamrec::paged_silu_attention"
+OP_CANDIDATES = "streamrec::paged_silu_attention_candidates"
+# Launch shapes (H200-tuned: see BENCHMARKS.md); about this many programs fill the GPU.
+TARGET_PROGRAMS = 1024
+DECODE_BLOCK_N = 64
+DECODE_WARPS = 4
+CAND_BLOCK_M = 128
+CAND_BLOCK_N = 64
+CAND_WARPS = 8
+CAND_STAGES = 2
 
 
 def triton_available() -> bool:
@@ -87,63 +91,102 @@ def paged_silu_attention_reference(
     return out.squeeze(1)
 
 
-def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, block_q: int, keys_per_split: int) -> None:
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> None:
     """Eager-side validation: a compiled kernel would silently read garbage instead."""
-    if q.dim() != 3 or k_cache.dim() != 4 or q.shape[1:] != k_cache.shape[2:]:
+    if q.dim() not in (3, 4) or k_cache.dim() != 4 or q.shape[-2:] != k_cache.shape[2:]:
         raise ModelError(
-            f"paged attention wants q [G, H, d] and k_cache [NB, BS, H, d], got "
-            f"{tuple(q.shape)} and {tuple(k_cache.shape)}"
+            f"paged attention wants q [G, H, d] or [B, C, H, d] and k_cache [NB, BS, H, d], "
+            f"got {tuple(q.shape)} and {tuple(k_cache.shape)}"
         )
     head_dim = q.shape[-1]
     if k_cache.stride(-1) != 1 or k_cache.stride(-2) != head_dim:
         raise ModelError(f"k_cache rows must be contiguous [H, d], strides {k_cache.stride()}")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ModelError(f"paged attention needs a power-of-two head_dim >= 16, got {head_dim}")
-    if block_q != 1 and (block_q < 16 or block_q & (block_q - 1)):
-        raise ModelError(f"block_q={block_q} must be 1 or a power of two >= 16")
-    if keys_per_split < 0 or keys_per_split % DEFAULT_BLOCK_N:
-        raise ModelError(
-            f"keys_per_split={keys_per_split} must be 0 or a multiple of {DEFAULT_BLOCK_N}"
-        )
+
+
+def _num_splits(programs: int, span: int, block_n: int) -> int:
+    """Key splits so that about ``TARGET_PROGRAMS`` programs run; works on SymInts.
+
+    SiLU attention has no softmax, so the partial sums of key ranges simply add: a small
+    batch (few programs) is cut along the keys to fill the GPU, a large one is not cut.
+    """
+    per_split_min = (span + block_n - 1) // block_n  # splits of one key tile each
+    wanted = (TARGET_PROGRAMS + programs - 1) // programs
+    return torch.sym_max(1, torch.sym_min(per_split_min, wanted))
 
 
 if triton is not None:
 
     @triton.jit
-    def _rel_bias(
-        rel,
-        dt,
+    def _key_tile(
+        start,
+        k_end,
+        table_row,
+        block_size,
         h,
-        pos_bias_ptr,
-        time_bias_ptr,
-        edges_ptr,
-        width_inv,
-        H: tl.constexpr,
-        NUM_POS: tl.constexpr,
-        NUM_TIME: tl.constexpr,
+        k_ptr,
+        v_ptr,
+        ts_pool_ptr,
+        stride_kv_block,
+        stride_kv_slot,
+        D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
-        """pos_bias[clamp(rel)] + time_bias[bucketize(|dt|, edges, right=True)] in fp32.
-
-        The bucket is log1p(|dt| s)/width rounded down, then moved by at most one edge so
-        it equals ``torch.bucketize`` on the integer edges exactly.
-        """
-        rel = tl.minimum(tl.maximum(rel, 0), NUM_POS - 1)
-        bias = tl.load(pos_bias_ptr + rel * H + h).to(tl.float32)
-        if NUM_TIME > 1:
-            dt = tl.where(dt < 0, -dt, dt)
-            est = tl.floor(tl.log(1.0 + dt.to(tl.float32) * 0.001) * width_inv).to(tl.float32)
-            b = tl.minimum(tl.maximum(est, 0.0), NUM_TIME - 1.0).to(tl.int32)
-            lo = tl.load(edges_ptr + tl.maximum(b - 1, 0))
-            b = tl.where((b > 0) & (dt < lo), b - 1, b)
-            hi = tl.load(edges_ptr + tl.minimum(b, NUM_TIME - 2))
-            b = tl.where((b < NUM_TIME - 1) & (dt >= hi), b + 1, b)
-            bias += tl.load(time_bias_ptr + b * H + h).to(tl.float32)
-        else:
-            bias += tl.load(time_bias_ptr + h + 0 * rel).to(tl.float32)
-        return bias
+        """Keys start..start+BLOCK_N of one user, read through its block table."""
+        keys = start + tl.arange(0, BLOCK_N)  # [BN]
+        kmask = keys < k_end
+        blk = tl.load(table_row + keys // block_size, mask=kmask, other=0).to(tl.int64)
+        slot = keys % block_size
+        rows = blk * stride_kv_block + slot * stride_kv_slot + h * D  # [BN]
+        offs = rows[:, None] + tl.arange(0, D)[None, :]  # [BN, D]
+        k = tl.load(k_ptr + offs, mask=kmask[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=kmask[:, None], other=0.0)
+        k_ts = tl.load(ts_pool_ptr + blk * block_size + slot, mask=kmask, other=0)
+        return keys, kmask, k, v, k_ts
 
     @triton.jit
-    def _paged_silu_attention_kernel(
+    def _bias(
+        keys,
+        kmask,
+        k_ts,
+        pos,
+        ts_q,
+        h,
+        pos_bias_ptr,
+        edges,
+        tb_delta,
+        tb0,
+        H: tl.constexpr,
+        NUM_POS: tl.constexpr,
+    ):
+        """rab of one query against a tile of keys, fp32 [BN].
+
+        The time bucket is ``bucketize(|dt|, edges, right=True)`` = the number of edges
+        <= |dt|, so ``time_bias[bucket] = time_bias[0] + Σ_{edge <= |dt|} Δ`` with
+        Δ[e] = time_bias[e+1] - time_bias[e] held in registers: exact integer bucketing,
+        no dependent table loads in the key loop.
+        """
+        dt = ts_q - k_ts
+        dt = tl.where(dt < 0, -dt, dt)  # [BN]
+        t_bias = tb0 + tl.sum(tl.where(dt[:, None] >= edges[None, :], tb_delta[None, :], 0.0), 1)
+        rel = tl.minimum(tl.maximum(pos - keys, 0), NUM_POS - 1)
+        p_bias = tl.load(pos_bias_ptr + rel * H + h, mask=kmask, other=0.0).to(tl.float32)
+        return t_bias + p_bias
+
+    @triton.jit
+    def _time_table(time_bias_ptr, edges_ptr, h, H: tl.constexpr, NUM_TIME: tl.constexpr,
+                    NT_P2: tl.constexpr):  # fmt: skip
+        e = tl.arange(0, NT_P2)
+        emask = e < NUM_TIME - 1
+        edges = tl.load(edges_ptr + e, mask=emask, other=9223372036854775807)  # [NT_P2]
+        lo = tl.load(time_bias_ptr + e * H + h, mask=emask, other=0.0).to(tl.float32)
+        hi = tl.load(time_bias_ptr + (e + 1) * H + h, mask=emask, other=0.0).to(tl.float32)
+        tb0 = tl.load(time_bias_ptr + h).to(tl.float32)
+        return edges, hi - lo, tb0
+
+    @triton.jit
+    def _decode_kernel(
         q_ptr,  # [G, H, D]
         q_pos_ptr,  # [G]
         q_ts_ptr,  # [G]
@@ -156,116 +199,204 @@ if triton is not None:
         pos_bias_ptr,  # [NUM_POS, H]
         time_bias_ptr,  # [NUM_TIME, H]
         edges_ptr,  # [NUM_TIME - 1]
-        out_ptr,  # [S, G, H, D] fp32 partials, or [G, H, D] in q's dtype
-        num_queries,
+        out_ptr,  # [G, H, D] fp32, zeroed: splits add into it
         max_blocks,
         block_size,
+        keys_per_split,
         stride_kv_block,
         stride_kv_slot,
-        stride_out_split,
         scale,
         inv_divisor,
-        width_inv,
         H: tl.constexpr,
         D: tl.constexpr,
         NUM_POS: tl.constexpr,
         NUM_TIME: tl.constexpr,
-        BLOCK_Q: tl.constexpr,
+        NT_P2: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        KEYS_PER_SPLIT: tl.constexpr,
-        IEEE: tl.constexpr,
     ):
-        pid_q = tl.program_id(0)
+        """One query (a new token) x one head x one key range: memory-bound decode."""
+        g = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         split = tl.program_id(2)
-        offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ]
-        offs_d = tl.arange(0, D)  # [D]
-        q_valid = offs_q < num_queries
-        q_rows = offs_q.to(tl.int64) * (H * D) + h * D  # [BQ]
-        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=q_valid[:, None], other=0.0)
-        q_user = tl.load(q_user_ptr + offs_q, mask=q_valid, other=-1).to(tl.int32)
-        q_pos = tl.load(q_pos_ptr + offs_q, mask=q_valid, other=0).to(tl.int32)
-        q_ts = tl.load(q_ts_ptr + offs_q, mask=q_valid, other=0).to(tl.int64)
-        u_lo = tl.min(tl.where(q_valid, q_user, 2147483647), axis=0)
-        u_hi = tl.max(q_user, axis=0)
-        acc = tl.zeros((BLOCK_Q, D), dtype=tl.float32)
-        for u in range(u_lo, u_hi + 1):
-            n_keys = tl.load(lens_ptr + u).to(tl.int32)
-            if KEYS_PER_SPLIT > 0:
-                k_start = split * KEYS_PER_SPLIT
-                k_end = tl.minimum(n_keys, k_start + KEYS_PER_SPLIT)
-            else:
-                k_start = 0
-                k_end = n_keys
-            row = (q_user == u) & q_valid  # [BQ]
-            pos_u = tl.max(tl.where(row, q_pos, -2147483647), axis=0)
-            ts_u = tl.max(tl.where(row, q_ts, -9223372036854775807), axis=0)
-            uniform = (tl.min(tl.where(row, q_pos, 2147483647), axis=0) == pos_u) & (
-                tl.min(tl.where(row, q_ts, 9223372036854775807), axis=0) == ts_u
-            )
-            table_row = tables_ptr + u * max_blocks
+        user = tl.load(q_user_ptr + g).to(tl.int64)
+        n_keys = tl.load(lens_ptr + user).to(tl.int32)
+        k_start = split * keys_per_split
+        k_end = tl.minimum(n_keys, k_start + keys_per_split)
+        if k_start < k_end:
+            offs_d = tl.arange(0, D)
+            # Inductor passes Python floats as fp64 scalars: every product is cast to fp32.
+            q = (tl.load(q_ptr + (g * H + h) * D + offs_d).to(tl.float32) * scale).to(tl.float32)
+            pos = tl.load(q_pos_ptr + g).to(tl.int32)
+            ts_q = tl.load(q_ts_ptr + g)
+            edges, tb_delta, tb0 = _time_table(time_bias_ptr, edges_ptr, h, H, NUM_TIME, NT_P2)
+            table_row = tables_ptr + user * max_blocks
+            acc = tl.zeros((D,), dtype=tl.float32)
             for start in range(k_start, k_end, BLOCK_N):
-                keys = start + tl.arange(0, BLOCK_N)  # [BN]
-                kmask = keys < k_end
-                blk = tl.load(table_row + keys // block_size, mask=kmask, other=0).to(tl.int64)
-                slot = keys % block_size
-                kv_rows = blk * stride_kv_block + slot * stride_kv_slot + h * D  # [BN]
-                kv_offs = kv_rows[:, None] + offs_d[None, :]  # [BN, D]
-                k = tl.load(k_ptr + kv_offs, mask=kmask[:, None], other=0.0)
-                v = tl.load(v_ptr + kv_offs, mask=kmask[:, None], other=0.0)
-                k_ts = tl.load(ts_pool_ptr + blk * block_size + slot, mask=kmask, other=0)
-                if BLOCK_Q >= 16:
-                    if IEEE:
-                        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                    else:
-                        s = tl.dot(q, tl.trans(k))
-                else:
-                    s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), 2)
-                # Inductor passes Python floats as fp64 scalars: cast back to fp32.
-                s = (s * scale).to(tl.float32)  # [BQ, BN]
-                if uniform:
-                    b1 = _rel_bias(
-                        pos_u - keys,
-                        ts_u - k_ts,
-                        h,
-                        pos_bias_ptr,
-                        time_bias_ptr,
-                        edges_ptr,
-                        width_inv,
-                        H,
-                        NUM_POS,
-                        NUM_TIME,
-                    )
-                    s = s + b1[None, :]
-                else:
-                    b2 = _rel_bias(
-                        q_pos[:, None] - keys[None, :],
-                        q_ts[:, None] - k_ts[None, :],
-                        h,
-                        pos_bias_ptr,
-                        time_bias_ptr,
-                        edges_ptr,
-                        width_inv,
-                        H,
-                        NUM_POS,
-                        NUM_TIME,
-                    )
-                    s = s + b2
+                keys, kmask, k, v, k_ts = _key_tile(
+                    start, k_end, table_row, block_size, h, k_ptr, v_ptr, ts_pool_ptr,
+                    stride_kv_block, stride_kv_slot, D, BLOCK_N,
+                )  # fmt: skip
+                s = tl.sum(k.to(tl.float32) * q[None, :], 1)  # [BN]
+                s += _bias(keys, kmask, k_ts, pos, ts_q, h, pos_bias_ptr, edges, tb_delta,
+                           tb0, H, NUM_POS)  # fmt: skip
                 w = (s * tl.sigmoid(s) * inv_divisor).to(tl.float32)
-                w = tl.where(row[:, None] & kmask[None, :], w, 0.0)
-                if BLOCK_Q >= 16:
-                    if IEEE:
-                        acc += tl.dot(w.to(v.dtype), v, input_precision="ieee")
-                    else:
-                        acc += tl.dot(w.to(v.dtype), v)
-                else:
-                    acc += tl.sum(w[:, :, None] * v[None, :, :].to(tl.float32), 1)
-        out_offs = q_rows[:, None] + offs_d[None, :]
-        if KEYS_PER_SPLIT > 0:
-            out_offs += split.to(tl.int64) * stride_out_split
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])
+                w = tl.where(kmask, w, 0.0)
+                acc += tl.sum(w[:, None] * v.to(tl.float32), 0)
+            tl.atomic_add(out_ptr + (g * H + h) * D + offs_d, acc)
 
-    @torch.library.triton_op(OP_NAME, mutates_args={})
+    @triton.jit
+    def _candidate_kernel(
+        q_ptr,  # [B, C, H, D]
+        q_pos_ptr,  # [B]: every candidate of a user sits at the same position ...
+        q_ts_ptr,  # [B]: ... and has the same timestamp, so the bias is per key only
+        k_ptr,
+        v_ptr,
+        ts_pool_ptr,
+        tables_ptr,
+        lens_ptr,
+        pos_bias_ptr,
+        time_bias_ptr,
+        edges_ptr,
+        out_ptr,  # [B, C, H, D] fp32, zeroed
+        num_cands,
+        m_tiles,
+        max_blocks,
+        block_size,
+        keys_per_split,
+        stride_kv_block,
+        stride_kv_slot,
+        scale,
+        inv_divisor,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        NUM_POS: tl.constexpr,
+        NUM_TIME: tl.constexpr,
+        NT_P2: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """A tile of one user's candidates x one head x one key range, on tensor cores."""
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        split = tl.program_id(2)
+        user = (pid // m_tiles).to(tl.int64)
+        tile = pid % m_tiles
+        n_keys = tl.load(lens_ptr + user).to(tl.int32)
+        k_start = split * keys_per_split
+        k_end = tl.minimum(n_keys, k_start + keys_per_split)
+        if k_start < k_end:
+            offs_d = tl.arange(0, D)
+            cand = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+            cmask = cand < num_cands
+            rows = ((user * num_cands + cand) * H + h) * D  # [BM]
+            q = tl.load(q_ptr + rows[:, None] + offs_d[None, :], mask=cmask[:, None], other=0.0)
+            pos = tl.load(q_pos_ptr + user).to(tl.int32)
+            ts_q = tl.load(q_ts_ptr + user)
+            edges, tb_delta, tb0 = _time_table(time_bias_ptr, edges_ptr, h, H, NUM_TIME, NT_P2)
+            table_row = tables_ptr + user * max_blocks
+            acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+            for start in range(k_start, k_end, BLOCK_N):
+                keys, kmask, k, v, k_ts = _key_tile(
+                    start, k_end, table_row, block_size, h, k_ptr, v_ptr, ts_pool_ptr,
+                    stride_kv_block, stride_kv_slot, D, BLOCK_N,
+                )  # fmt: skip
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                bias = _bias(keys, kmask, k_ts, pos, ts_q, h, pos_bias_ptr, edges, tb_delta,
+                             tb0, H, NUM_POS)  # fmt: skip
+                s = (s * scale).to(tl.float32) + bias[None, :]  # [BM, BN]
+                w = (s * tl.sigmoid(s) * inv_divisor).to(tl.float32)
+                w = tl.where(kmask[None, :], w, 0.0)
+                if IEEE:
+                    acc += tl.dot(w, v.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(w.to(v.dtype), v)
+            tl.atomic_add(out_ptr + rows[:, None] + offs_d[None, :], acc, mask=cmask[:, None])
+
+    def _next_pow2(n: int) -> int:
+        return 1 << max(0, (int(n) - 1).bit_length())
+
+    def launch_decode(
+        q: torch.Tensor,
+        q_pos: torch.Tensor,
+        q_ts: torch.Tensor,
+        q_user: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+        pos_bias: torch.Tensor,
+        time_bias: torch.Tensor,
+        edges: torch.Tensor,
+        divisor: int,
+        block_n: int = DECODE_BLOCK_N,
+        num_warps: int = DECODE_WARPS,
+    ) -> torch.Tensor:
+        """The decode kernel with an explicit launch shape (the op uses the defaults;
+        bench/h200_bench.py sweeps them). Returns fp32 [G, H, d]."""
+        num_queries, num_heads, head_dim = q.shape
+        block_size = ts_pool.shape[1]
+        max_blocks = block_tables.shape[1]
+        span = max_blocks * block_size
+        splits = _num_splits(num_queries * num_heads, span, block_n)
+        per_split = (span + splits - 1) // splits
+        per_split = (per_split + block_n - 1) // block_n * block_n
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        torch.library.wrap_triton(_decode_kernel)[(num_queries, num_heads, splits)](
+            q.contiguous(), q_pos, q_ts, q_user, k_cache, v_cache, ts_pool, block_tables,
+            cached_lens, pos_bias, time_bias, edges, out, max_blocks, block_size, per_split,
+            k_cache.stride(0), k_cache.stride(1), 1.0 / math.sqrt(head_dim), 1.0 / divisor,
+            H=num_heads, D=head_dim, NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
+            NT_P2=_next_pow2(max(2, time_bias.shape[0] - 1)), BLOCK_N=block_n,
+            num_warps=num_warps,
+        )  # fmt: skip
+        return out
+
+    def launch_candidates(
+        q: torch.Tensor,
+        q_pos: torch.Tensor,
+        q_ts: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+        pos_bias: torch.Tensor,
+        time_bias: torch.Tensor,
+        edges: torch.Tensor,
+        divisor: int,
+        block_m: int = CAND_BLOCK_M,
+        block_n: int = CAND_BLOCK_N,
+        num_warps: int = CAND_WARPS,
+        num_stages: int = CAND_STAGES,
+    ) -> torch.Tensor:
+        """The candidate kernel with an explicit launch shape. Returns fp32 [B, C, H, d]."""
+        num_users, num_cands, num_heads, head_dim = q.shape
+        block_size = ts_pool.shape[1]
+        max_blocks = block_tables.shape[1]
+        span = max_blocks * block_size
+        m_tiles = (num_cands + block_m - 1) // block_m
+        splits = _num_splits(num_users * m_tiles * num_heads, span, block_n)
+        per_split = (span + splits - 1) // splits
+        per_split = (per_split + block_n - 1) // block_n * block_n
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        grid = (num_users * m_tiles, num_heads, splits)
+        torch.library.wrap_triton(_candidate_kernel)[grid](
+            q.contiguous(), q_pos, q_ts, k_cache, v_cache, ts_pool, block_tables, cached_lens,
+            pos_bias, time_bias, edges, out, num_cands, m_tiles, max_blocks, block_size,
+            per_split, k_cache.stride(0), k_cache.stride(1), 1.0 / math.sqrt(head_dim),
+            1.0 / divisor, H=num_heads, D=head_dim, NUM_POS=pos_bias.shape[0],
+            NUM_TIME=time_bias.shape[0], NT_P2=_next_pow2(max(2, time_bias.shape[0] - 1)),
+            BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+        return out
+
+    @torch.library.triton_op(OP_DECODE, mutates_args={})
     def paged_silu_attention(
         q: torch.Tensor,
         q_pos: torch.Tensor,
@@ -280,63 +411,35 @@ if triton is not None:
         time_bias: torch.Tensor,
         edges: torch.Tensor,
         divisor: int,
-        bucket_width: float,
-        block_q: int,
-        keys_per_split: int,
     ) -> torch.Tensor:
-        """Same arguments as ``paged_silu_attention_reference`` plus the launch shape.
+        """Cached-context attention of G queries with their own positions/timestamps."""
+        out = launch_decode(
+            q, q_pos, q_ts, q_user, k_cache, v_cache, ts_pool, block_tables, cached_lens,
+            pos_bias, time_bias, edges, divisor,
+        )  # fmt: skip
+        return out.to(q.dtype)
 
-        block_q: 1 (one query per program) or a power of two >= 16 (query tiles);
-        keys_per_split: 0 = one program walks all of a user's keys, else the key range is
-        cut into chunks of this many keys (a multiple of 64) summed in fp32 afterwards.
-        """
-        num_queries, num_heads, head_dim = q.shape
-        block_size = ts_pool.shape[1]
-        max_blocks = block_tables.shape[1]
-        q = q.contiguous()
-        if keys_per_split > 0:
-            num_splits = triton.cdiv(max_blocks * block_size, keys_per_split)
-            out = q.new_empty((num_splits, num_queries, num_heads, head_dim), dtype=torch.float32)
-        else:
-            num_splits = 1
-            out = torch.empty_like(q)
-        grid = (triton.cdiv(num_queries, block_q), num_heads, num_splits)
-        torch.library.wrap_triton(_paged_silu_attention_kernel)[grid](
-            q,
-            q_pos,
-            q_ts,
-            q_user,
-            k_cache,
-            v_cache,
-            ts_pool,
-            block_tables,
-            cached_lens,
-            pos_bias,
-            time_bias,
-            edges,
-            out,
-            num_queries,
-            max_blocks,
-            block_size,
-            k_cache.stride(0),
-            k_cache.stride(1),
-            num_queries * num_heads * head_dim,
-            1.0 / math.sqrt(head_dim),
-            1.0 / divisor,
-            1.0 / bucket_width,
-            H=num_heads,
-            D=head_dim,
-            NUM_POS=pos_bias.shape[0],
-            NUM_TIME=time_bias.shape[0],
-            BLOCK_Q=block_q,
-            BLOCK_N=DEFAULT_BLOCK_N,
-            KEYS_PER_SPLIT=keys_per_split,
-            IEEE=q.dtype == torch.float32,
-            num_warps=8 if block_q >= 64 else 4,
-        )
-        if keys_per_split > 0:
-            return out.sum(0).to(q.dtype)
-        return out
+    @torch.library.triton_op(OP_CANDIDATES, mutates_args={})
+    def paged_silu_attention_candidates(
+        q: torch.Tensor,
+        q_pos: torch.Tensor,
+        q_ts: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+        pos_bias: torch.Tensor,
+        time_bias: torch.Tensor,
+        edges: torch.Tensor,
+        divisor: int,
+    ) -> torch.Tensor:
+        """Cached-context attention of C candidates per user (q [B, C, H, d])."""
+        out = launch_candidates(
+            q, q_pos, q_ts, k_cache, v_cache, ts_pool, block_tables, cached_lens, pos_bias,
+            time_bias, edges, divisor,
+        )  # fmt: skip
+        return out.to(q.dtype)
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -376,31 +479,31 @@ def fused_context_attention(
     time_bias: torch.Tensor,
     edges: torch.Tensor,
     divisor: int,
-    bucket_width: float,
-    block_q: int,
 ) -> torch.Tensor:
-    """The op for one layer's pool slice ``kv_layer [2, NB, BS, H, d]``; q [G, H, d].
+    """New tokens (own position/timestamp each): q [G, H, d], ``kv_layer [2, NB, BS, H, d]``."""
+    check_inputs(q, kv_layer[0])
+    return torch.ops.streamrec.paged_silu_attention(
+        q, q_pos, q_ts, q_user, kv_layer[0], kv_layer[1], ts_pool, block_tables,
+        cached_lens, pos_bias, time_bias, edges, divisor,
+    )  # fmt: skip
 
-    ``block_q == 1`` splits keys (few queries per user); larger tiles do not (rank).
-    """
-    keys_per_split = DEFAULT_KEYS_PER_SPLIT if block_q == 1 else 0
-    op = torch.ops.streamrec.paged_silu_attention
-    check_inputs(q, kv_layer[0], block_q, keys_per_split)
-    return op(
-        q,
-        q_pos,
-        q_ts,
-        q_user,
-        kv_layer[0],
-        kv_layer[1],
-        ts_pool,
-        block_tables,
-        cached_lens,
-        pos_bias,
-        time_bias,
-        edges,
-        divisor,
-        bucket_width,
-        block_q,
-        keys_per_split,
-    )
+
+def fused_candidate_attention(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_ts: torch.Tensor,
+    kv_layer: torch.Tensor,
+    ts_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    cached_lens: torch.Tensor,
+    pos_bias: torch.Tensor,
+    time_bias: torch.Tensor,
+    edges: torch.Tensor,
+    divisor: int,
+) -> torch.Tensor:
+    """Candidates, C per user at one position/timestamp per user: q [B, C, H, d]."""
+    check_inputs(q, kv_layer[0])
+    return torch.ops.streamrec.paged_silu_attention_candidates(
+        q, q_pos, q_ts, kv_layer[0], kv_layer[1], ts_pool, block_tables, cached_lens,
+        pos_bias, time_bias, edges, divisor,
+    )  # fmt: skip

@@ -110,12 +110,10 @@ class Scorer:
 
         start = time.perf_counter()
         tables, lens = self.cache.batch_tables(list(users))  # [B, MB], [B]
-        offsets = torch.arange(num_users + 1, device=device, dtype=torch.int64) * pool  # [B+1]
         ts = torch.tensor(list(query_ts), dtype=torch.int64, device=device)  # [B]
         probs = self.model.rank(
-            ret_items.reshape(-1), offsets, ts, self.cache.kv, self.cache.ts, tables, lens
-        ).float()  # [B*pool, tasks]
-        probs = probs.view(num_users, pool, -1)  # [B, pool, tasks]
+            ret_items, ts, self.cache.kv, self.cache.ts, tables, lens
+        ).float()  # [B, pool, tasks]
         combined = probs @ self._weights  # [B, pool]
         top_scores, order = torch.topk(combined, cfg.top_k, dim=1)  # [B, top_k]
         items = torch.gather(ret_items, 1, order)

@@ -34,7 +34,6 @@ class ServingModel(Protocol):
     def rank(
         self,
         cand_items: torch.Tensor,
-        cand_offsets: torch.Tensor,
         query_ts: torch.Tensor,
         kv_pool: torch.Tensor,
         ts_pool: torch.Tensor,

@@ -68,8 +68,7 @@ class Batch:
     ts_pool: torch.Tensor
     tables: torch.Tensor
     lens: torch.Tensor
-    cand: torch.Tensor
-    cand_offsets: torch.Tensor
+    cand: torch.Tensor  # [B, 3]
     query_ts: torch.Tensor
 
     def extend_args(self) -> tuple[torch.Tensor, ...]:
@@ -80,7 +79,7 @@ class Batch:
 
     def rank_args(self) -> tuple[torch.Tensor, ...]:
         return (
-            self.cand, self.cand_offsets, self.query_ts,
+            self.cand, self.query_ts,
             self.kv, self.ts_pool, self.tables, self.lens,
         )  # fmt: skip
 
@@ -107,7 +106,6 @@ def make_batch(model: HSTU, cached: list[int], new: list[int], seed: int) -> Bat
         pool.write(slots, k, v, h_ts)
     tables, lens = pool.batch_tables()
     total = sum(new)
-    num_cands = 3 * len(cached)
     return Batch(
         items=torch.randint(1, cfg.num_items, (total,), generator=gen),
         actions=torch.randint(1, NUM_ACTIONS, (total,), generator=gen),
@@ -117,7 +115,6 @@ def make_batch(model: HSTU, cached: list[int], new: list[int], seed: int) -> Bat
         ts_pool=pool.ts,
         tables=tables,
         lens=lens,
-        cand=torch.randint(1, cfg.num_items, (num_cands,), generator=gen),
-        cand_offsets=_jagged([3] * len(cached)),
+        cand=torch.randint(1, cfg.num_items, (len(cached), 3), generator=gen),
         query_ts=torch.full((len(cached),), 1_900_000_000_000, dtype=torch.int64),
     )

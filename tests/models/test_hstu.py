@@ -158,31 +158,27 @@ def test_rank_reads_cache_only_and_matches_full_recompute(seed: int) -> None:
         inc.write([s for b in range(len(lens)) for s in inc.slots(b, step[b])], k, v, ts)
     full = filled_cache(model, hist, lens, block_size=4, seed=seed + 1)
 
-    n_cands = [rng.randint(1, 5) for _ in lens]
-    n_cands[2] = 0
-    cand = torch.randint(cfg.first_item_row, cfg.num_items, (sum(n_cands),), generator=gen)
-    cand_off = torch.tensor([0, *torch.tensor(n_cands).cumsum(0).tolist()])
+    n_cand = rng.randint(1, 5)
+    cand = torch.randint(cfg.first_item_row, cfg.num_items, (len(lens), n_cand), generator=gen)
     query_ts = torch.stack([h[2][max(n - 1, 0)] for h, n in zip(hist, lens)])
     before = (inc.kv.clone(), inc.ts.clone())
-    scores_inc = model.rank(cand, cand_off, query_ts, inc.kv, inc.ts, *inc.batch_tables())
-    scores_full = model.rank(cand, cand_off, query_ts, full.kv, full.ts, *full.batch_tables())
-    assert scores_inc.shape == (sum(n_cands), cfg.num_tasks)
+    scores_inc = model.rank(cand, query_ts, inc.kv, inc.ts, *inc.batch_tables())
+    scores_full = model.rank(cand, query_ts, full.kv, full.ts, *full.batch_tables())
+    assert scores_inc.shape == (len(lens), n_cand, cfg.num_tasks)
     assert ((scores_inc > 0) & (scores_inc < 1)).all()
     assert rel_err(scores_inc, scores_full) < REL_TOL
     assert torch.equal(inc.kv.nan_to_num(7.0), before[0].nan_to_num(7.0))
     assert torch.equal(inc.ts, before[1])
 
     # Independent check: a candidate is the history plus one CANDIDATE token, recomputed.
-    c = 0
     for b, n in enumerate(lens):
-        for _ in range(n_cands[b]):
-            items = torch.cat([hist[b][0][:n], cand[c : c + 1]])
+        for c in range(n_cand):
+            items = torch.cat([hist[b][0][:n], cand[b, c : c + 1]])
             actions = torch.cat([hist[b][1][:n], torch.tensor([int(Action.CANDIDATE)])])
             ts = torch.cat([hist[b][2][:n], query_ts[b : b + 1]])
             z = model.prefill_states(items, actions, ts, torch.tensor([0, n + 1]))[2]
             want = torch.sigmoid(model.task_head(z[-1]))
-            assert rel_err(scores_inc[c], want) < REL_TOL
-            c += 1
+            assert rel_err(scores_inc[b, c], want) < REL_TOL
 
 
 @pytest.mark.parametrize("seed", range(3))

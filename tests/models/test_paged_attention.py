@@ -24,9 +24,9 @@ from streamrec.models.attention import time_bucket_edges
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
 from streamrec.models.paged_attention import (
-    RANK_BLOCK_Q,
     check_inputs,
     fused_attention_enabled,
+    fused_candidate_attention,
     fused_context_attention,
     paged_silu_attention_reference,
 )
@@ -56,8 +56,8 @@ class Case:
     pos_bias: torch.Tensor  # [N, H]
     time_bias: torch.Tensor  # [NT, H]
     edges: torch.Tensor  # [NT - 1]
+    rank: bool = False
     divisor: int = 4096
-    width: float = 0.6
 
     def reference(self) -> torch.Tensor:
         return paged_silu_attention_reference(
@@ -65,12 +65,22 @@ class Case:
             self.tables, self.lens, self.pos_bias, self.time_bias, self.edges, self.divisor,
         )  # fmt: skip
 
-    def fused(self, block_q: int) -> torch.Tensor:
-        return fused_context_attention(
-            self.q, self.pos, self.ts, self.users, self.kv, self.ts_pool, self.tables,
-            self.lens, self.pos_bias, self.time_bias, self.edges, self.divisor, self.width,
-            block_q,
+    def fused(self) -> torch.Tensor:
+        """The decode op, or the candidate op when every user has the same query count
+        at one position/timestamp (how ``make_case(rank=True)`` builds them)."""
+        if not self.rank:
+            return fused_context_attention(
+                self.q, self.pos, self.ts, self.users, self.kv, self.ts_pool, self.tables,
+                self.lens, self.pos_bias, self.time_bias, self.edges, self.divisor,
+            )  # fmt: skip
+        num_users = self.lens.shape[0]
+        q = self.q.view(num_users, -1, *self.q.shape[1:])  # [B, C, H, d]
+        first = torch.arange(num_users, device=q.device) * q.shape[1]
+        out = fused_candidate_attention(
+            q, self.pos[first], self.ts[first], self.kv, self.ts_pool, self.tables, self.lens,
+            self.pos_bias, self.time_bias, self.edges, self.divisor,
         )  # fmt: skip
+        return out.view_as(self.q)
 
     def to(self, dtype: torch.dtype) -> Case:
         """The same case with float tensors in ``dtype`` (index tensors untouched)."""
@@ -127,6 +137,7 @@ def make_case(
         pos_bias=torch.randn(num_pos, heads, generator=gen) * 0.5,
         time_bias=torch.randn(num_time, heads, generator=gen) * 0.5,
         edges=time_bucket_edges(num_time, 0.6),
+        rank=rank,
     )
     for name, value in case.__dict__.items():
         if isinstance(value, torch.Tensor):
@@ -178,20 +189,20 @@ def test_backend_switch_on_cpu() -> None:
 
 
 @pytest.mark.parametrize(
-    ("q_shape", "block_q", "split", "match"),
+    ("q_shape", "match"),
     [
-        ((4, 2, 24), 1, 0, "power-of-two head_dim"),
-        ((4, 2, 64), 8, 0, "block_q=8"),
-        ((4, 2, 64), 1, 100, "keys_per_split=100"),
-        ((4, 3, 64), 1, 0, "wants q"),
+        ((4, 2, 24), "power-of-two head_dim"),
+        ((4, 3, 64), "wants q"),
+        ((4, 2, 2, 64), None),
     ],
 )
-def test_check_inputs_rejects(
-    q_shape: tuple[int, int, int], block_q: int, split: int, match: str
-) -> None:
-    k_cache = torch.zeros(3, 16, 2, q_shape[2])
+def test_check_inputs(q_shape: tuple[int, ...], match: str | None) -> None:
+    k_cache = torch.zeros(3, 16, 2, q_shape[-1])
+    if match is None:
+        check_inputs(torch.zeros(q_shape), k_cache)  # [B, C, H, d] candidates are fine
+        return
     with pytest.raises(ModelError, match=match):
-        check_inputs(torch.zeros(q_shape), k_cache, block_q, split)
+        check_inputs(torch.zeros(q_shape), k_cache)
 
 
 # ------------------------------------------------------------------------ GPU
@@ -208,7 +219,7 @@ def _cuda() -> None:
 def test_op_matches_reference_fp32(batch: int, rank: bool) -> None:
     _cuda()
     case = make_case(edge_lengths(batch, batch), 32 if rank else 2, rank, "cuda", seed=batch)
-    got = case.fused(RANK_BLOCK_Q if rank else 1)
+    got = case.fused()
     err = rel_err(got, case.reference())
     print(f"fp32 batch={batch} rank={rank}: rel err {err:.2e}")
     assert err < FP32_TOL
@@ -222,7 +233,7 @@ def test_op_bf16_error(batch: int, rank: bool) -> None:
     exact = make_case(edge_lengths(batch, batch), 32 if rank else 2, rank, "cuda", seed=batch)
     low = exact.to(torch.bfloat16)
     want = low.to(torch.float32).reference()  # fp32 math on the bf16-rounded inputs
-    got_err = rel_err(low.fused(RANK_BLOCK_Q if rank else 1), want)
+    got_err = rel_err(low.fused(), want)
     torch_err = rel_err(low.reference(), want)
     print(f"bf16 batch={batch} rank={rank}: op {got_err:.2e}, torch bf16 path {torch_err:.2e}")
     assert got_err < BF16_TOL
@@ -230,22 +241,13 @@ def test_op_bf16_error(batch: int, rank: bool) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_q", [1, 16, RANK_BLOCK_Q])
-def test_long_histories_and_splits(block_q: int) -> None:
-    """Lengths past one key split (256) and tiles that span several users."""
+@pytest.mark.parametrize("rank", [False, True])
+def test_long_histories_and_splits(rank: bool) -> None:
+    """Lengths past one key split and one key tile, several candidate tiles per user."""
     _cuda()
-    lens = [0, 255, 256, 257, 700, 1100, 3]
-    case = make_case(lens, 5, rank=block_q > 1, device="cuda", seed=7)
-    err = rel_err(case.fused(block_q), case.reference())
-    assert err < FP32_TOL
-
-
-@pytest.mark.gpu
-def test_non_uniform_tiles() -> None:
-    """Several new tokens per user in a query tile: per-score bias path."""
-    _cuda()
-    case = make_case(edge_lengths(12, 3), 7, rank=False, device="cuda", seed=3)
-    err = rel_err(case.fused(16), case.reference())
+    lens = [0, 255, 256, 257, 700, 1100, 3, 4096]
+    case = make_case(lens, 130 if rank else 3, rank=rank, device="cuda", seed=7)
+    err = rel_err(case.fused(), case.reference())
     assert err < FP32_TOL
 
 
@@ -260,7 +262,7 @@ def test_export_keeps_the_op() -> None:
             c = case
             return fused_context_attention(
                 q, c.pos, c.ts, c.users, kv, c.ts_pool, c.tables, c.lens, c.pos_bias,
-                c.time_bias, c.edges, c.divisor, c.width, 1,
+                c.time_bias, c.edges, c.divisor,
             )  # fmt: skip
 
     program = torch.export.export(Attn(), (case.q, case.kv), strict=False)
