@@ -155,6 +155,7 @@ class Batch:
         self.cache.kv.normal_(0, 1)
         gaps = torch.randint(1000, 10**7, (batch, history), generator=gen)
         hist_ts = BASE_TS + gaps.cumsum(1)  # [B, L]
+        self.hist_ts_all = hist_ts.to(dev)
         self.hist_items = torch.randint(1, cfg.num_items, (batch, history), generator=gen)
         self.hist_actions = torch.randint(1, 4, (batch, history), generator=gen)
         for b, u in enumerate(self.users):
@@ -163,6 +164,7 @@ class Batch:
             slots = torch.from_numpy(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
             self.cache.ts.view(-1)[slots.to(dev)] = hist_ts[b].to(dev)
         self.refresh_tables()
+        self._prefill(model)
         new_slots = [
             self.cache.pool.block_table(u)[history // BLOCK_SIZE] * BLOCK_SIZE
             + history % BLOCK_SIZE
@@ -178,6 +180,29 @@ class Batch:
         self.hist_ts = hist_ts.to(dev)
         self.hist_items = self.hist_items.to(dev)
         self.hist_actions = self.hist_actions.to(dev)
+
+    def _prefill(self, model: HSTU) -> None:
+        """The cache holds what a prefill of the histories writes (not random values),
+        so the incremental outputs can be compared with the full recompute."""
+        hist = self.hist_items.shape[1]
+        offsets = torch.arange(self.batch + 1, device="cuda", dtype=torch.int64) * hist
+        slots = []
+        for u in self.users:
+            table = np.asarray(self.cache.pool.block_table(u), dtype=np.int64)
+            pos = np.arange(hist)
+            slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+        with torch.no_grad():
+            for lo in range(0, self.batch, 8):  # prefill in chunks: [8, N, D] activations
+                hi = min(self.batch, lo + 8)
+                k, v, _ = model.prefill(
+                    self.hist_items[lo:hi].reshape(-1).cuda(),
+                    self.hist_actions[lo:hi].reshape(-1).cuda(),
+                    self.hist_ts_all[lo:hi].reshape(-1),
+                    offsets[: hi - lo + 1],
+                )
+                self.cache.write(
+                    np.concatenate(slots[lo:hi]), k, v, self.hist_ts_all[lo:hi].reshape(-1)
+                )
 
     def refresh_tables(self) -> None:
         self.tables, self.lens = self.cache.batch_tables(self.users)  # lens = history + 1
@@ -288,7 +313,8 @@ def kernel_section(quick: bool, ceil: dict[str, float]) -> list[dict[str, object
                     )  # fmt: skip
                 try:
                     got = call().reshape(g, cfg.num_heads, cfg.head_dim)
-                    ms = pct(time_ms(call, 20), 50)
+                    # Graph replay: device time only (a Python launch costs ~0.5 ms here).
+                    ms = pct(time_ms(graphed(call), 20), 50)
                 except Exception as exc:
                     print(f"kernel {kind} {var}: {type(exc).__name__}: {exc}"[:300])
                     continue
@@ -471,11 +497,44 @@ def aoti_section(batches: list[int], iters: int) -> list[dict[str, object]]:
     return rows
 
 
+def profile_section(batches: list[int]) -> list[dict[str, object]]:
+    """Where the HSTU-8L incremental step spends device time: top kernels by share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows: list[dict[str, object]] = []
+    model = build_model(HSTU_8L)
+    for batch in batches:
+        data = Batch(model, batch, SPEEDUP_HISTORY_LEN, HSTU_8L.num_candidates, seed=batch)
+        with torch.no_grad():
+            step = graphed(partial(data.incremental, model))
+            step()
+            torch.cuda.synchronize()
+            plain = partial(data.incremental, model)
+            plain()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    plain()
+                torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(e.device_time_total for e in events) or 1.0
+        for e in sorted(events, key=lambda e: -e.device_time_total)[:12]:
+            rows.append({
+                "section": "profile", "workload": HSTU_8L.name, "batch": batch,
+                "kernel": e.key[:60], "calls_per_step": e.count // 5,
+                "ms_per_step": round(e.device_time_total / 5 / 1000, 4),
+                "share": round(e.device_time_total / total, 3),
+            })  # fmt: skip
+        del data
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--sections", nargs="+", default=["kernel", "speedup", "hitrate"],
-        choices=["kernel", "speedup", "hitrate", "aoti"],
+        choices=["kernel", "speedup", "hitrate", "aoti", "profile"],
     )  # fmt: skip
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCH_SIZES))
     parser.add_argument("--iters", type=int, default=30)
@@ -499,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += speedup_section(workloads, args.batches, args.iters, not args.no_compile, ceil)
         elif section == "hitrate":
             rows += hitrate_section(max(args.batches), args.iters)
+        elif section == "profile":
+            rows += profile_section(args.batches)
         else:
             rows += aoti_section(args.batches, args.iters)
         print(f"section {section}: {time.perf_counter() - start:.0f} s", flush=True)

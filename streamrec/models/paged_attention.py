@@ -40,13 +40,14 @@ except ImportError:  # pragma: no cover - exercised on the CPU CI machine
 
 OP_DECODE = "streamrec::paged_silu_attention"
 OP_CANDIDATES = "streamrec::paged_silu_attention_candidates"
-# Launch shapes (H200-tuned: see BENCHMARKS.md); about this many programs fill the GPU.
+# Launch shapes, the fastest of the sweep in bench/h200_bench.py on the H200 at batch
+# 1/8/64 (BENCHMARKS.md); about TARGET_PROGRAMS programs fill the GPU.
 TARGET_PROGRAMS = 1024
 DECODE_BLOCK_N = 64
-DECODE_WARPS = 4
-CAND_BLOCK_M = 128
-CAND_BLOCK_N = 64
-CAND_WARPS = 8
+DECODE_WARPS = 2
+CAND_BLOCK_M = 64
+CAND_BLOCK_N = 32
+CAND_WARPS = 4
 CAND_STAGES = 2
 
 

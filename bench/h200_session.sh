@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The H200 runs behind BENCHMARKS.md, one stage per device call:
+#   bash bench/h200_session.sh tests|kernel|speedup|rest
+# Results go to $OUT (the device tool brings them back) and bench/results/.
+set -uo pipefail
+export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/streamrec-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+for stage in "$@"; do
+  start=$(date +%s)
+  case "$stage" in
+    tests)
+      python3 -m pytest -q -s -m gpu tests/models tests/cache -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    kernel)
+      python3 -m bench.h200_bench --sections kernel --out "$OUT" 2>&1 | tail -80
+      cp "$OUT/h200.json" "$OUT/h200_kernel.json" ;;
+    speedup)
+      python3 -m bench.h200_bench --sections speedup --iters 20 --no-compile --out "$OUT" 2>&1 | tail -60
+      cp "$OUT/h200.json" "$OUT/h200_speedup.json" ;;
+    profile)
+      python3 -m bench.h200_bench --sections profile --batches 1 64 --out "$OUT" 2>&1 | tail -40
+      cp "$OUT/h200.json" "$OUT/h200_profile.json" ;;
+    compile)
+      python3 -m bench.h200_bench --sections speedup --iters 20 --out "$OUT" 2>&1 | tail -40
+      cp "$OUT/h200.json" "$OUT/h200_speedup_compile.json" ;;
+    rest)
+      python3 -m bench.h200_bench --sections hitrate aoti --iters 20 --out "$OUT" 2>&1 | tail -40
+      cp "$OUT/h200.json" "$OUT/h200_rest.json"
+      python3 -m bench.engine_bench --config hstu-8l --device cuda --steps 40 2>&1 | tail -8
+      cp bench/results/engine_hstu-8l_cuda.json "$OUT/" 2>/dev/null ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+  echo "stage $stage: $(( $(date +%s) - start )) s"
+done
