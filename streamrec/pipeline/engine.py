@@ -84,6 +84,7 @@ class EngineStats:
     host_hits: int = 0
     misses: int = 0
     rebuilds_after_redelivery: int = 0
+    rebuilds_after_burst: int = 0
     tokens_prefilled: int = 0
     tokens_extended: int = 0
     batch_splits: int = 0
@@ -213,7 +214,10 @@ class Engine:
             state = self._users.get(ud.user_id)
             applied = appended.applied.get(ud.user_id, 0)
             cached = state is not None and where[ud.user_id] is not CacheOutcome.MISS
-            if cached and applied == ud.n_events:
+            # A burst as long as the window replaces the whole cache: rebuilding from the
+            # store's window is exact and cheaper than extending and trimming.
+            burst = ud.n_events >= self.tiers.max_seq_len
+            if cached and applied == ud.n_events and not burst:
                 assert state is not None
                 tokens = np.array(
                     [[self.vocab.index(d.item_id), d.action, d.ts_ms] for d in ud.deltas],
@@ -227,6 +231,8 @@ class Engine:
             else:
                 if cached and applied != ud.n_events:
                     self._stats.rebuilds_after_redelivery += 1
+                elif cached:
+                    self._stats.rebuilds_after_burst += 1
                 rebuild.append(ud.user_id)
         return work, rebuild
 

@@ -154,6 +154,28 @@ async def test_redelivered_events_rebuild_and_publish_same_state() -> None:
     await engine.close()
 
 
+async def test_a_burst_longer_than_the_window_rebuilds_exactly() -> None:
+    model, vocab = _model(num_known=40)
+    store = open_history_store("memory://", MAX_SEQ_LEN)
+    engine = _engine(model, vocab, gpu_blocks=64, host_blocks=0, store=store)
+    stream = _stream(10 + 2 * MAX_SEQ_LEN, 1, 40, seed=4)  # one user
+    first, burst = _batches(stream[:10], 10)[0], _batches(stream[10:], 2 * MAX_SEQ_LEN)[0]
+    await engine.process(first)
+    (result,) = await engine.process(
+        Batch(1, burst.users, burst.reason, burst.released_at, burst.n_events)
+    )
+    assert engine.stats().rebuilds_after_burst == 1
+    histories = await store.get(["u0"])
+    assert len(histories["u0"]) == MAX_SEQ_LEN  # the window
+    want = _recompute(model, histories, engine.config.scoring)["u0"]
+    assert result.recommendation is not None
+    assert result.recommendation.version == 10 + 2 * MAX_SEQ_LEN
+    assert [i for i, _ in result.recommendation.items] == [
+        vocab.external(int(r)) for r in want.items
+    ]
+    await engine.close()
+
+
 class _FlakyStore:
     """Fault injection: the first ``failures`` appends raise StoreError."""
 
