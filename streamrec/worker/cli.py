@@ -19,6 +19,7 @@ from typing import Any, Final
 from streamrec import __version__
 from streamrec.errors import ConfigError, StreamrecError
 from streamrec.models.export_command import add_export_arguments, run_export
+from streamrec.models.training import TrainConfig
 from streamrec.worker.config import ENV_CONFIG_FILE, WorkerConfig, config_fields, load_config
 from streamrec.worker.model_loader import export_config_for
 
@@ -268,7 +269,7 @@ def _training_data(args: argparse.Namespace) -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from streamrec.models.training import TrainConfig, train
+    from streamrec.models.training import train
 
     config = TrainConfig(
         epochs=args.epochs,
@@ -301,7 +302,10 @@ def _eval(args: argparse.Namespace) -> int:
 def _add_data_flags(parser: argparse.ArgumentParser) -> None:
     data = parser.add_mutually_exclusive_group()
     data.add_argument("--synthetic", action="store_true", help="synthetic data (the default)")
-    data.add_argument("--events", type=Path, metavar="RATINGS_CSV", help="MovieLens ratings.csv")
+    data.add_argument(
+        "--ratings", "--events", dest="events", type=Path, metavar="RATINGS_CSV",
+        help="MovieLens-format ratings.csv (userId,movieId,rating,timestamp)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
 
@@ -330,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model directory")
     train.add_argument("--out", type=Path, required=True, metavar="DIR")
-    train.add_argument("--epochs", type=int, default=10)
-    train.add_argument("--max-seq-len", type=int, default=200)
+    train.add_argument("--epochs", type=int, default=TrainConfig.epochs)
+    train.add_argument("--max-seq-len", type=int, default=TrainConfig.max_seq_len)
     _add_data_flags(train)
     train.set_defaults(handler=_train)
 
