@@ -9,8 +9,14 @@ memory (psutil if installed, else ``/proc/<pid>/status`` VmRSS) and CPU time, an
 event-to-publish latency of every recommendation in the window: the output record's
 timestamp (stamped by the worker's producer when it queues the record) minus the event
 time of the newest event the recommendation covers (the producer stamps ``ts_ms`` with the
-wall clock at send). Verdict: RSS growth from the second window to the last (the first
-holds the warm-up: model load, pool fill, first rebuilds) and p99 drift over the same span.
+wall clock at send). That figure includes the time records wait in the broker; the
+worker's own share (batcher enqueue to the broker's ack, the ``event_to_publish``
+histogram of ``/metrics``), the batcher's queue delay, the engine's busy share (step time
+by phase, summed) and the consumer lag are scraped beside it, and the broker's
+memory and CPU are sampled too: the dev broker keeps every record in memory with no
+retention, so over minutes it is the part that slows down. Verdict: worker RSS growth
+from the second window to the last (the first holds the warm-up: model load, pool fill,
+first rebuilds) and the drift of the worker's p99 over the same span.
 
     python -m bench.soak                   # 10 minutes at 500 events/s
     python -m bench.soak --duration 180    # shorter
@@ -22,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,7 +44,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 from bench._report import print_table, write_results
-from streamrec.cache.history_store import open_history_store
+from streamrec.cache.history_store import HistoryEvent, Token, open_history_store
 from streamrec.models.checkpoint import save_checkpoint
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
@@ -63,6 +70,7 @@ from streamrec.worker.devbroker import DevBroker, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PARTITIONS = 4
+MAX_SEQ_LEN = 128
 RSS_FLAT_FRACTION = 0.10  # growth from window 2 to the last that still counts as flat
 P99_FLAT_RATIO = 1.5
 
@@ -76,6 +84,7 @@ class SoakArgs:
     items: int
     store_url: str
     kv_budget_bytes: int
+    preload: bool
 
 
 @dataclass
@@ -97,12 +106,44 @@ def build_model(path: Path, items: int, seed: int = 0) -> Path:
         num_layers=2,
         num_heads=2,
         head_dim=16,
-        max_seq_len=128,
+        max_seq_len=MAX_SEQ_LEN,
         num_time_buckets=16,
         task_hidden=32,
     )
     save_checkpoint(path, HSTU(config).eval(), vocab, {"model_name": "soak"})
     return path
+
+
+async def preload_histories(args: SoakArgs) -> None:
+    """Give every user a full window of history before the clock starts, so that each
+    cache miss rebuilds ``MAX_SEQ_LEN`` tokens from the first window to the last: with
+    empty histories the work per miss would grow all through the run and hide (or fake)
+    drift. The tokens come from a topic the soak never uses, so their watermarks are apart.
+    """
+    rng = np.random.default_rng(2)
+    vocab = ItemVocabulary([f"i{n}" for n in range(args.items)], num_oov_buckets=8)
+    store = open_history_store(args.store_url, MAX_SEQ_LEN)
+    now_ms = int(time.time() * 1000)
+    try:
+        for first in range(0, args.users, 100):
+            batch = [
+                HistoryEvent(
+                    f"u{user}",
+                    "soak-preload",
+                    0,
+                    n,
+                    Token(
+                        vocab.index(f"i{rng.integers(args.items)}"),
+                        1,
+                        now_ms - 1000 * (MAX_SEQ_LEN - n),
+                    ),
+                )
+                for user in range(first, min(first + 100, args.users))
+                for n in range(MAX_SEQ_LEN)
+            ]
+            await store.append(batch)
+    finally:
+        await store.close()
 
 
 def worker_config(bootstrap: str, model_dir: Path, args: SoakArgs, http_port: int) -> WorkerConfig:
@@ -117,6 +158,39 @@ def worker_config(bootstrap: str, model_dir: Path, args: SoakArgs, http_port: in
         http=HttpConfig(host="127.0.0.1", port=http_port),
         log=LogConfig(format="json", level="WARNING"),
     )
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition to ``{"name{labels}": value}`` (comments skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def histogram_quantile(
+    before: dict[str, float], after: dict[str, float], name: str, q: float
+) -> float:
+    """The q-quantile (ms) of a histogram's observations between two scrapes, linearly
+    interpolated inside the bucket that holds it (as PromQL's histogram_quantile)."""
+    prefix = f'{name}_bucket{{le="'
+    bounds = sorted((float(key[len(prefix) : -2]), key) for key in after if key.startswith(prefix))
+    counts = [(le, after[key] - before.get(key, 0.0)) for le, key in bounds]
+    total = counts[-1][1] if counts else 0.0
+    if total <= 0:
+        return 0.0
+    rank = q * total
+    lower_le, lower_count = 0.0, 0.0
+    for le, cumulative in counts:
+        if cumulative >= rank:
+            if le == float("inf"):
+                return lower_le * 1000.0
+            share = (rank - lower_count) / max(cumulative - lower_count, 1e-12)
+            return (lower_le + (le - lower_le) * share) * 1000.0
+        lower_le, lower_count = le, cumulative
+    return lower_le * 1000.0
 
 
 class ProcessSampler:
@@ -208,16 +282,21 @@ async def read_output(bootstrap: str, windows: list[Window], stop: asyncio.Event
         await consumer.stop()
 
 
-async def http_status(port: int, path: str) -> int:
+async def http_get(port: int, path: str) -> tuple[int, bytes]:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
     except OSError:
-        return 0
+        return 0, b""
     writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     await writer.drain()
     data = await reader.read()
     writer.close()
-    return int(data.split()[1]) if data else 0
+    head, _, body = data.partition(b"\r\n\r\n")
+    return (int(head.split()[1]) if head else 0), body
+
+
+async def scrape(port: int) -> dict[str, float]:
+    return parse_metrics((await http_get(port, "/metrics"))[1].decode())
 
 
 def spawn_worker(config: WorkerConfig, workdir: Path) -> subprocess.Popen[bytes]:
@@ -235,39 +314,75 @@ def spawn_worker(config: WorkerConfig, workdir: Path) -> subprocess.Popen[bytes]
         )
 
 
-def window_row(
-    n: int, t_s: float, window: Window, span_s: float, rss: int, cpu_s: float
-) -> dict[str, object]:
+@dataclass(frozen=True)
+class Sample:
+    """One moment: worker and broker resources and the worker's metrics."""
+
+    at: float
+    rss: int
+    cpu_s: float
+    broker_rss: int
+    broker_cpu_s: float
+    metrics: dict[str, float]
+
+
+def window_row(n: int, t_s: float, window: Window, a: Sample, b: Sample) -> dict[str, object]:
+    span = b.at - a.at
     lat = np.array(window.latencies) if window.latencies else np.zeros(1)
+    e2p = "streamrec_event_to_publish_seconds"
+    lag = sum(v for k, v in b.metrics.items() if k.startswith("streamrec_consumer_lag{"))
+    queue = "streamrec_queue_delay_seconds"
+    step_sums = [k for k in b.metrics if k.startswith("streamrec_step_seconds_sum{")]
+    busy = sum(b.metrics[k] - a.metrics.get(k, 0.0) for k in step_sums)  # s of engine work
     return {
         "window": n,
         "t_s": round(t_s),
-        "events_per_s": round(window.produced / span_s, 1),
-        "recs_per_s": round(len(window.latencies) / span_s, 1),
-        "rss_mb": round(rss / 2**20, 1),
-        "cpu_pct": round(100 * cpu_s / span_s, 1),
+        "events_per_s": round(window.produced / span, 1),
+        "recs_per_s": round(len(window.latencies) / span, 1),
+        "rss_mb": round(b.rss / 2**20, 1),
+        "cpu_pct": round(100 * (b.cpu_s - a.cpu_s) / span, 1),
         "p50_ms": round(float(np.percentile(lat, 50)), 1),
         "p99_ms": round(float(np.percentile(lat, 99)), 1),
         "max_ms": round(float(lat.max()), 1),
+        "worker_p50_ms": round(histogram_quantile(a.metrics, b.metrics, e2p, 0.5), 1),
+        "worker_p99_ms": round(histogram_quantile(a.metrics, b.metrics, e2p, 0.99), 1),
+        "queue_p50_ms": round(histogram_quantile(a.metrics, b.metrics, queue, 0.5), 1),
+        "engine_busy_pct": round(100 * busy / span, 1),
+        "lag": int(lag),
+        "broker_rss_mb": round(b.broker_rss / 2**20, 1),
+        "broker_cpu_pct": round(100 * (b.broker_cpu_s - a.broker_cpu_s) / span, 1),
     }
 
 
 def verdict(rows: list[dict[str, object]]) -> dict[str, object]:
-    """RSS growth and p99 drift from the second window (past warm-up) to the last."""
+    """Worker RSS growth and p99 drift from the second window (past warm-up) to the last;
+    the verdict is on the worker's own p99, the end-to-end one is reported beside it."""
     if len(rows) < 3:
         return {"verdict": "too short: needs at least 3 windows"}
     second, last = rows[1], rows[-1]
-    rss2, rss_last = float(second["rss_mb"]), float(last["rss_mb"])  # type: ignore[arg-type]
-    p99_2, p99_last = float(second["p99_ms"]), float(last["p99_ms"])  # type: ignore[arg-type]
+
+    def num(row: dict[str, object], key: str) -> float:
+        value = row[key]
+        assert isinstance(value, int | float)
+        return float(value)
+
+    def drift(key: str) -> float:
+        return num(last, key) / num(second, key) if num(second, key) > 0 else float("inf")
+
+    rss2, rss_last = num(second, "rss_mb"), num(last, "rss_mb")
     growth = (rss_last - rss2) / rss2
-    drift = p99_last / p99_2 if p99_2 > 0 else float("inf")
-    flat = growth <= RSS_FLAT_FRACTION and drift <= P99_FLAT_RATIO
+    flat = growth <= RSS_FLAT_FRACTION and drift("worker_p99_ms") <= P99_FLAT_RATIO
     return {
         "rss_growth_mb": round(rss_last - rss2, 1),
         "rss_growth_fraction": round(growth, 4),
-        "p99_window2_ms": p99_2,
-        "p99_last_ms": p99_last,
-        "p99_drift_ratio": round(drift, 3),
+        "rss_max_mb": max(num(r, "rss_mb") for r in rows[1:]),
+        "worker_p99_window2_ms": num(second, "worker_p99_ms"),
+        "worker_p99_last_ms": num(last, "worker_p99_ms"),
+        "worker_p99_drift_ratio": round(drift("worker_p99_ms"), 3),
+        "e2e_p99_window2_ms": num(second, "p99_ms"),
+        "e2e_p99_last_ms": num(last, "p99_ms"),
+        "e2e_p99_drift_ratio": round(drift("p99_ms"), 3),
+        "broker_rss_growth_mb": round(num(last, "broker_rss_mb") - num(second, "broker_rss_mb"), 1),
         "verdict": "flat" if flat else "NOT flat",
     }
 
@@ -275,6 +390,8 @@ def verdict(rows: list[dict[str, object]]) -> dict[str, object]:
 async def soak(args: SoakArgs) -> tuple[list[dict[str, object]], dict[str, object]]:
     workdir = Path(tempfile.mkdtemp(prefix="streamrec-soak-"))
     model_dir = build_model(workdir / "model", args.items)
+    if args.preload:
+        await preload_histories(args)
     broker = DevBroker(log_path=workdir / "broker.log")
     await broker.start_async()
     worker: subprocess.Popen[bytes] | None = None
@@ -291,11 +408,24 @@ async def soak(args: SoakArgs) -> tuple[list[dict[str, object]], dict[str, objec
         config = worker_config(broker.bootstrap_servers, model_dir, args, http_port)
         worker = spawn_worker(config, workdir)
         deadline = time.monotonic() + 120
-        while await http_status(http_port, "/readyz") != 200:
+        while (await http_get(http_port, "/readyz"))[0] != 200:
             if worker.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"worker not ready; log {workdir / 'worker.log'}")
             await asyncio.sleep(0.2)
         sampler = ProcessSampler(worker.pid)
+        assert broker.pid is not None
+        broker_sampler = ProcessSampler(broker.pid)
+
+        async def sample() -> Sample:
+            return Sample(
+                time.monotonic(),
+                sampler.rss_bytes(),
+                sampler.cpu_seconds(),
+                broker_sampler.rss_bytes(),
+                broker_sampler.cpu_seconds(),
+                await scrape(http_port),
+            )
+
         windows = [Window()]
         stop = asyncio.Event()
         tasks = [
@@ -303,30 +433,24 @@ async def soak(args: SoakArgs) -> tuple[list[dict[str, object]], dict[str, objec
             asyncio.create_task(read_output(broker.bootstrap_servers, windows, stop)),
         ]
         rows: list[dict[str, object]] = []
-        started = last = time.monotonic()
-        cpu_last = sampler.cpu_seconds()
-        while last - started < args.duration_s - 1e-6:
-            await asyncio.sleep(min(args.window_s, args.duration_s - (last - started)))
+        last = await sample()
+        started = last.at
+        while last.at - started < args.duration_s - 1e-6:
+            await asyncio.sleep(min(args.window_s, args.duration_s - (last.at - started)))
             if any(t.done() for t in tasks) or worker.poll() is not None:
                 raise RuntimeError(f"a soak task or the worker stopped; see {workdir}")
-            now, cpu = time.monotonic(), sampler.cpu_seconds()
+            now = await sample()
             window, windows[-1] = windows[-1], Window()
-            row = window_row(
-                len(rows) + 1,
-                now - started,
-                window,
-                now - last,
-                sampler.rss_bytes(),
-                cpu - cpu_last,
-            )
+            row = window_row(len(rows) + 1, now.at - started, window, last, now)
             rows.append(row)
             print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-            last, cpu_last = now, cpu
+            last = now
         stop.set()
         await asyncio.gather(*tasks)
         worker.send_signal(signal.SIGTERM)
         status = await asyncio.to_thread(worker.wait, 60)
         summary = verdict(rows) | {"worker_exit_status": status}
+        shutil.rmtree(workdir, ignore_errors=True)  # kept (logs) when the soak failed
         return rows, summary
     finally:
         if worker is not None and worker.poll() is None:
@@ -352,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
         default=f"redis://127.0.0.1:6379/0?prefix=streamrec-soak-{uuid.uuid4().hex[:8]}",
         help="history store URL (Redis, cleaned up after; memory:// also works)",
     )
+    parser.add_argument(
+        "--no-preload", action="store_true", help="start from empty histories (cost grows)"
+    )
     ns = parser.parse_args(argv)
     args = SoakArgs(
         duration_s=ns.duration,
@@ -361,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         items=ns.items,
         store_url=ns.store,
         kv_budget_bytes=int(ns.kv_budget_mb * 2**20),
+        preload=not ns.no_preload,
     )
     print(f"soak: {args.rate:g} events/s for {args.duration_s:g} s, windows of {args.window_s:g} s")
     rows, summary = asyncio.run(soak(args))

@@ -173,6 +173,11 @@ class DevBroker:
         return f"{self._host}:{self._port}"
 
     @property
+    def pid(self) -> int | None:
+        """The broker process's id while it runs (benchmarks sample its memory and CPU)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def log_path(self) -> Path | None:
         return self._log_path
 
