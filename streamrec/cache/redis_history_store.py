@@ -189,7 +189,7 @@ class RedisHistoryStore(HistoryStore):
             raise StoreError(f"history store {self.url}: unreachable: {exc}") from exc
 
     async def close(self) -> None:
-        await self._client.aclose()  # type: ignore[attr-defined]  # stale types-redis stubs
+        await self._client.aclose()
 
     def stats(self) -> HistoryStoreStats:
         return self._stats("redis", users=-1, nbytes=-1)  # shared: unknown here
