@@ -537,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=["kernel", "speedup", "hitrate", "aoti", "profile"],
     )  # fmt: skip
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCH_SIZES))
+    parser.add_argument(
+        "--workloads", nargs="+", default=["HSTU-3L", "HSTU-8L"], choices=["HSTU-3L", "HSTU-8L"]
+    )
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile baseline")
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
@@ -548,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     ceil = ceilings(args.quick)
     print(f"ceilings: {ceil}", flush=True)
     rows: list[dict[str, object]] = []
-    workloads = [HSTU_3L, HSTU_8L]
+    workloads = [w for w in (HSTU_3L, HSTU_8L) if w.name in args.workloads]
     for section in args.sections:
         start = time.perf_counter()
         if section == "kernel":

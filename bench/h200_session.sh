@@ -27,7 +27,8 @@ for stage in "$@"; do
       python3 -m bench.h200_bench --sections profile --batches 1 64 --out "$OUT" 2>&1 | tail -40
       cp "$OUT/h200.json" "$OUT/h200_profile.json" ;;
     compile)
-      python3 -m bench.h200_bench --sections speedup --iters 20 --out "$OUT" 2>&1 | tail -40
+      python3 -m bench.h200_bench --sections speedup --workloads HSTU-8L --batches 1 64 \
+        --iters 10 --out "$OUT" 2>&1 | tail -40
       cp "$OUT/h200.json" "$OUT/h200_speedup_compile.json" ;;
     rest)
       python3 -m bench.h200_bench --sections hitrate aoti --iters 20 --out "$OUT" 2>&1 | tail -40
