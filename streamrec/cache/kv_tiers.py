@@ -22,19 +22,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from streamrec.cache.block_pool import NoRoom, Slots, UserKey, window_blocks_to_drop
 from streamrec.cache.host_tier import HostTier
 from streamrec.cache.kv_cache import KVCache
 from streamrec.cache.stats import KVTiersStats
 from streamrec.errors import CacheError, ConfigError
-
-
-class CacheOutcome(StrEnum):
-    GPU_HIT = "gpu_hit"
-    HOST_HIT = "host_hit"  # in ensure_room's answer: onloaded to the GPU by that call
-    MISS = "miss"
+from streamrec.schemas.records import CacheOutcome  # HOST_HIT here: onloaded by ensure_room
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,6 @@ from streamrec.pipeline.micro_batcher import Batch
 from streamrec.pipeline.model_step import ModelStep, StepTimings, UserOutput, UserWork
 from streamrec.pipeline.scorer import Scorer, ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
-from streamrec.schemas.records import CacheOutcome as WireOutcome
 from streamrec.schemas.records import Recommendation
 
 log = logging.getLogger(__name__)
@@ -297,7 +296,7 @@ class Engine:
             version=out.version,
             last_event_ts_ms=ud.newest_ts_ms,
             generated_at_ms=now_ms,
-            cache_outcome=WireOutcome(out.outcome.value),
+            cache_outcome=out.outcome,
             task_scores=task_scores,
             timings_ms={k: round(v, 3) for k, v in phases.items()},
         )
