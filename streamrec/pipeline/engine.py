@@ -130,22 +130,24 @@ class Engine:
     async def process(self, batch: Batch) -> list[UserResult]:
         started = time.perf_counter()
         users = list(batch.users)
-        events = [
-            HistoryEvent(
-                ud.user_id,
-                d.topic,
-                d.partition,
-                d.offset,
-                self._token(d.item_id, d.action, d.ts_ms),
-            )
+        # Each event's token is built once: the store append and the extend share it.
+        tokens = {
+            ud.user_id: np.array(
+                [[self.vocab.index(d.item_id), d.action, d.ts_ms] for d in ud.deltas],
+                dtype=np.int64,
+            )  # [n, 3]
             for ud in users
-            for d in ud.deltas
+        }
+        events = [
+            HistoryEvent(ud.user_id, d.topic, d.partition, d.offset, Token(*map(int, row)))
+            for ud in users
+            for d, row in zip(ud.deltas, tokens[ud.user_id], strict=True)
         ]
         append_start = time.perf_counter()
         appended: AppendResult = await self._with_retry("append", self.store.append, events)
         append_s = time.perf_counter() - append_start
 
-        work, rebuild = self._plan(users, appended)
+        work, rebuild = self._plan(users, tokens, appended)
         get_start = time.perf_counter()
         histories: dict[str, History] = {}
         if rebuild:
@@ -199,11 +201,8 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
 
-    def _token(self, item_id: str, action: int, ts_ms: int) -> Token:
-        return Token(self.vocab.index(item_id), int(action), int(ts_ms))
-
     def _plan(
-        self, users: list[UserDelta], appended: AppendResult
+        self, users: list[UserDelta], tokens: dict[str, np.ndarray], appended: AppendResult
     ) -> tuple[list[UserWork], list[str]]:
         where = self.tiers.resolve(ud.user_id for ud in users)
         work: list[UserWork] = []
@@ -218,15 +217,12 @@ class Engine:
             burst = ud.n_events >= self.tiers.max_seq_len
             if cached and applied == ud.n_events and not burst:
                 assert state is not None
-                tokens = np.array(
-                    [[self.vocab.index(d.item_id), d.action, d.ts_ms] for d in ud.deltas],
-                    dtype=np.int64,
-                )  # [n, 3]
+                new = tokens[ud.user_id]  # [n, 3]
                 state.total += applied
                 state.recent = (
-                    np.concatenate([state.recent, tokens[:, 0]])[-keep:] if keep else state.recent
+                    np.concatenate([state.recent, new[:, 0]])[-keep:] if keep else state.recent
                 )
-                work.append(UserWork(ud.user_id, tokens, False, state.recent, state.total))
+                work.append(UserWork(ud.user_id, new, False, state.recent, state.total))
             else:
                 if cached and applied != ud.n_events:
                     self._stats.rebuilds_after_redelivery += 1
