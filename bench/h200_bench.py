@@ -22,6 +22,7 @@ import argparse
 import math
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -261,7 +262,20 @@ def full_recompute(
 # ------------------------------------------------------------------ sections
 
 
-def kernel_section(quick: bool, ceil: dict[str, float]) -> list[dict[str, object]]:
+def load_baseline(path: str) -> Any:
+    """The launch functions of an earlier ``paged_attention.py`` (its custom ops left out,
+    their names are taken), so that before/after kernels are timed in one run."""
+    source = Path(path).read_text()
+    start = source.index("    @torch.library.triton_op(OP_DECODE")
+    end = source.index("ATTENTION_BACKENDS = ")
+    module = types.ModuleType("baseline_paged_attention")
+    exec(compile(source[:start] + source[end:], path, "exec"), module.__dict__)
+    return module
+
+
+def kernel_section(
+    quick: bool, ceil: dict[str, float], baseline: Any = None
+) -> list[dict[str, object]]:
     """The fused kernels alone on one layer's pool, launch shapes swept, vs the torch path.
 
     extend: 1 query per user (decode kernel); rank: 256 candidates per user (candidate
@@ -291,16 +305,34 @@ def kernel_section(quick: bool, ceil: dict[str, float]) -> list[dict[str, object
                 v_cache.float(), *tail[:2], tail[2], tail[3].float(), tail[4].float(), tail[5],
                 cfg.max_seq_len,
             )  # fmt: skip
-            variants: list[tuple[int, ...]]
-            if kind == "extend":
-                variants = [(bn, w) for bn in (32, 64, 128) for w in (2, 4, 8)]
-            else:
+            variants: list[tuple[Any, ...]]
+            if kind == "extend":  # (block_n, warps, target programs, fast SiLU, on tensor
+                # cores (a 16-row tile per token), their stages)
                 variants = [
-                    (bm, bn, w, st) for bm in (64, 128) for bn in (32, 64)
-                    for w in (4, 8) for st in (2, 3)
+                    (bn, w, tp, True, False, 3)
+                    for bn, w in ((16, 2), (32, 2), (64, 2), (64, 4)) for tp in (1024, 4096)
                 ]  # fmt: skip
+                variants += [(64, 2, 1024, False, False, 3)]  # exact SiLU
+                variants += [(bn, 4, 1024, True, True, st) for bn in (32, 64) for st in (2, 4)]
+            else:  # (block_m, block_n, warps, stages, target programs, fast SiLU)
+                variants = [
+                    (64, 32, 4, 2, 1024, False), (64, 32, 4, 2, 256, True),
+                    (128, 32, 8, 2, 256, True), (128, 32, 8, 3, 256, True),
+                    (128, 16, 8, 2, 256, True), (128, 64, 8, 2, 256, True),
+                    (128, 32, 8, 2, 128, True), (128, 32, 8, 2, 1024, True),
+                ]  # fmt: skip
+            if baseline is not None:  # the previous kernels, same inputs, same run
+                variants.insert(0, ("baseline",))
             for var in variants:
-                if kind == "extend":
+                if var == ("baseline",):
+                    assert baseline is not None
+                    launch = (
+                        baseline.launch_decode if kind == "extend" else baseline.launch_candidates
+                    )
+                    qb = q if kind == "extend" else q.view(batch, per_user, *q.shape[1:])
+                    args = (qb, pos, ts, users) if kind == "extend" else (qb, data.lens, data.ts)
+                    call = partial(launch, *args, k_cache, v_cache, *tail, cfg.max_seq_len)
+                elif kind == "extend":
                     call = partial(
                         pa.launch_decode, q, pos, ts, users, k_cache, v_cache, *tail,
                         cfg.max_seq_len, var[0], var[1],
@@ -315,8 +347,9 @@ def kernel_section(quick: bool, ceil: dict[str, float]) -> list[dict[str, object
                     got = call().reshape(g, cfg.num_heads, cfg.head_dim)
                     # Graph replay: device time only (a Python launch costs ~0.5 ms here).
                     ms = pct(time_ms(graphed(call), 20), 50)
-                except Exception as exc:
+                except Exception as exc:  # a launch shape that does not fit (registers, smem)
                     print(f"kernel {kind} {var}: {type(exc).__name__}: {exc}"[:300])
+                    torch.cuda.synchronize()
                     continue
                 err = float((got[:sub].float() - ref).norm() / ref.norm())
                 flops = 4.0 * g * SPEEDUP_HISTORY_LEN * hd
@@ -358,7 +391,7 @@ def step_flops_bytes(w: Workload, batch: int, history: int) -> tuple[float, floa
 
 def speedup_section(
     workloads: list[Workload], batches: list[int], iters: int, compile_baseline: bool,
-    ceil: dict[str, float],
+    ceil: dict[str, float], compile_incremental: bool = False,
 ) -> list[dict[str, object]]:  # fmt: skip
     rows: list[dict[str, object]] = []
     for w in workloads:
@@ -394,6 +427,14 @@ def speedup_section(
                         results[f"incremental-{backend}-graph"] = time_ms(graphed(step), iters)
                     except RuntimeError as exc:  # capture can fail on some paths
                         print(f"graph capture failed ({backend}): {exc}")
+                    if compile_incremental and backend == "triton":
+                        # Inductor fuses the per-layer elementwise tail around the fused
+                        # attention ops; the graph removes the launch cost of what is left.
+                        fused = torch.compile(step, dynamic=False)
+                        fused()
+                        results["incremental-triton-compiled-graph"] = time_ms(
+                            graphed(fused), iters
+                        )
                 model.attention_backend = "auto"
             best_base = min(
                 (k for k in results if k.startswith("recompute")),
@@ -409,7 +450,7 @@ def speedup_section(
                     "speedup_vs_best_recompute": round(pct(results[best_base], 50) / p50, 2),
                     "floor_ms": round(floor_ms, 3),
                 }  # fmt: skip
-                if name.startswith("incremental"):
+                if name.startswith("incremental") and name.split("-")[1] in outputs:
                     backend = name.split("-")[1]
                     err = (outputs[backend] - outputs["recompute"]).abs().max()
                     row["max_abs_err_vs_recompute"] = round(float(err), 4)
@@ -542,6 +583,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile baseline")
+    parser.add_argument(
+        "--baseline-kernels", default=None,
+        help="an earlier paged_attention.py whose kernels the sweep times first (before/after)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile-incremental", action="store_true",
+        help="also time the incremental step compiled by Inductor, in a CUDA graph",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     parser.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = parser.parse_args(argv)
@@ -556,9 +605,13 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         if section == "kernel":
             with torch.no_grad():
-                rows += kernel_section(args.quick, ceil)
+                base = load_baseline(args.baseline_kernels) if args.baseline_kernels else None
+                rows += kernel_section(args.quick, ceil, base)
         elif section == "speedup":
-            rows += speedup_section(workloads, args.batches, args.iters, not args.no_compile, ceil)
+            rows += speedup_section(
+                workloads, args.batches, args.iters, not args.no_compile, ceil,
+                args.compile_incremental,
+            )  # fmt: skip
         elif section == "hitrate":
             rows += hitrate_section(max(args.batches), args.iters)
         elif section == "profile":
@@ -576,7 +629,14 @@ def main(argv: list[str] | None = None) -> int:
         "history": SPEEDUP_HISTORY_LEN,
         "launch": {
             "decode": (pa.DECODE_BLOCK_N, pa.DECODE_WARPS),
-            "candidates": (pa.CAND_BLOCK_M, pa.CAND_BLOCK_N, pa.CAND_WARPS, pa.CAND_STAGES),
+            "candidates": (
+                pa.CAND_BLOCK_M,
+                pa.CAND_BLOCK_N,
+                pa.CAND_WARPS,
+                pa.CAND_STAGES,
+            ),
+            "target_programs": (pa.TARGET_PROGRAMS, pa.CAND_TARGET_PROGRAMS),
+            "decode_mma": (pa.DECODE_MMA, pa.DECODE_MMA_STAGES),
         },
         "sections": args.sections,
         "wall_s": round(time.perf_counter() - t0, 1),

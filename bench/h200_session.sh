@@ -18,8 +18,15 @@ for stage in "$@"; do
     tests)
       python3 -m pytest -q -s -m gpu tests/models tests/cache -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     kernel)
-      python3 -m bench.h200_bench --sections kernel --out "$OUT" 2>&1 | tail -80
+      base=""; [ -f .carry/old_paged_attention.py ] && base="--baseline-kernels .carry/old_paged_attention.py"
+      python3 -m bench.h200_bench --sections kernel $base --out "$OUT" 2>&1 | tail -80
       cp "$OUT/h200.json" "$OUT/h200_kernel.json" ;;
+    ncu)  # Nsight Compute counters of one launch of each fused kernel (batch 64)
+      for op in rank extend; do
+        ncu --set full -k regex:"_candidate_kernel|_decode" -c 1 \
+          python3 -m bench.kernel_launch --op "$op" > "$OUT/ncu_$op.txt" 2>&1
+        grep -E "^  [a-z_]+kernel|Duration|Throughput|Registers Per|Occupancy|Block Limit|Warp Cycles|Issued Ipc|Est\. (Local )?Speedup|stall|Stall|spill" "$OUT/ncu_$op.txt" | head -45
+      done ;;
     speedup)
       python3 -m bench.h200_bench --sections speedup --iters 20 --no-compile --out "$OUT" 2>&1 | tail -60
       cp "$OUT/h200.json" "$OUT/h200_speedup.json" ;;
@@ -35,6 +42,11 @@ for stage in "$@"; do
       cp "$OUT/h200.json" "$OUT/h200_rest.json"
       python3 -m bench.engine_bench --config hstu-8l --device cuda --steps 40 2>&1 | tail -8
       cp bench/results/engine_hstu-8l_cuda.json "$OUT/" 2>/dev/null ;;
+    worker)  # (e): the whole worker with the dev broker on this machine
+      python3 -m bench.worker_bench --config hstu-8l --device cuda --users 2000 \
+        --events 60000 --rates 2000 5000 10000 20000 --seconds 10 --drain-s 40 \
+        --max-batch-users 256 --warm-wave 32 --partitions 4 2>&1 | tail -30
+      cp bench/results/worker_bench_hstu-8l_cuda.json "$OUT/" 2>/dev/null ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"

