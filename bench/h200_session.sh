@@ -16,7 +16,7 @@ for stage in "$@"; do
   start=$(date +%s)
   case "$stage" in
     tests)
-      python3 -m pytest -q -s -m gpu tests/models tests/cache -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+      python3 -m pytest -q -s -m gpu tests/models tests/cache tests/pipeline -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     kernel)
       base=""; [ -f .carry/old_paged_attention.py ] && base="--baseline-kernels .carry/old_paged_attention.py"
       python3 -m bench.h200_bench --sections kernel $base --out "$OUT" 2>&1 | tail -80
@@ -42,11 +42,12 @@ for stage in "$@"; do
       cp "$OUT/h200.json" "$OUT/h200_rest.json"
       python3 -m bench.engine_bench --config hstu-8l --device cuda --steps 40 2>&1 | tail -8
       cp bench/results/engine_hstu-8l_cuda.json "$OUT/" 2>/dev/null ;;
-    worker)  # (e): the whole worker with the dev broker on this machine
+    worker|worker-eager)  # (e): the whole worker with the dev broker on this machine
+      flags=""; [ "$stage" = worker-eager ] && flags="--no-cuda-graphs"
       python3 -m bench.worker_bench --config hstu-8l --device cuda --users 2000 \
         --events 60000 --rates 2000 5000 10000 20000 --seconds 10 --drain-s 40 \
-        --max-batch-users 256 --warm-wave 32 --partitions 4 2>&1 | tail -30
-      cp bench/results/worker_bench_hstu-8l_cuda.json "$OUT/" 2>/dev/null ;;
+        --max-batch-users 256 --warm-wave 32 --partitions 4 $flags 2>&1 | tail -12
+      cp bench/results/worker_bench_hstu-8l_cuda.json "$OUT/$stage.json" 2>/dev/null ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"

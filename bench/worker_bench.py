@@ -344,7 +344,12 @@ def worker_config(bootstrap: str, w: ReferenceWorkload, ns: argparse.Namespace, 
         group=wc.GroupConfig(group_id="streamrec-worker-bench"),
         batching=wc.BatchingConfig(max_batch_users=ns.max_batch_users, max_wait_ms=ns.max_wait_ms),
         cache=wc.CacheConfig(kv_budget_bytes=kv, block_size=BLOCK_SIZE, host_tier_bytes=0),
-        model=wc.ModelConfig(device=ns.device, num_candidates=w.num_candidates, top_k=20),
+        model=wc.ModelConfig(
+            device=ns.device,
+            num_candidates=w.num_candidates,
+            top_k=20,
+            cuda_graphs=not ns.no_cuda_graphs,
+        ),
         http=wc.HttpConfig(host="127.0.0.1", port=0),
         log=wc.LogConfig(format="text", level="WARNING"),
     )
@@ -468,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per wait")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = default")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="serve the eager step")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ns = parser.parse_args(argv)
     small = WORKLOADS[ns.config] is SMALL

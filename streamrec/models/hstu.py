@@ -406,13 +406,12 @@ class HSTU(nn.Module):
         self, user_emb: torch.Tensor, k: int, exclude: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k retrievable rows by cosine score; exclude [B, E] row ids, -1 = none."""
-        scores = user_emb @ self.item_table().t()  # [B, V]
-        rows = torch.arange(scores.shape[1], device=scores.device)
-        blocked = torch.full_like(scores, float("-inf"))
-        scores = torch.where(rows.unsqueeze(0) >= self.config.first_item_row, scores, blocked)
+        scores = user_emb @ self.item_table().t()  # [B, V], a fresh tensor: masked in place
+        # (masking in place saves three passes over [B, V], 1M items each, per step)
+        scores[:, : self.config.first_item_row] = float("-inf")
         # -1 maps to row 0 (padding), which is already blocked.
         drop = exclude.clamp(min=0, max=scores.shape[1] - 1)
-        scores = scores.scatter(1, drop, float("-inf"))
+        scores.scatter_(1, drop, float("-inf"))
         top_scores, top_idx = torch.topk(scores, k, dim=1)
         return top_scores, top_idx
 

@@ -49,8 +49,10 @@ from streamrec.models.config import HSTUConfig
 from streamrec.pipeline.clock import MonotonicClock
 from streamrec.pipeline.delta import Delta
 from streamrec.pipeline.engine import Engine, EngineConfig, UserResult
+from streamrec.pipeline.graphed_model import GraphConfig, GraphedModel
 from streamrec.pipeline.micro_batcher import BatcherClosed, BatcherConfig, MicroBatcher
 from streamrec.pipeline.scorer import ScoringConfig
+from streamrec.pipeline.serving_model import ServingModel
 from streamrec.schemas.codec import RawRecord, RejectedRecord, decode_batch
 from streamrec.schemas.events import EventKind
 from streamrec.schemas.records import DeadLetter, Recommendation
@@ -211,9 +213,13 @@ class App:
             self._store = open_history_store(self.config.store.url, hstu.max_seq_len)
         tiers = self._build_tiers(loaded)
         scoring = serving_scoring(self.config.model, hstu)
+        model, backend = loaded.model, loaded.backend
+        if loaded.device.type == "cuda" and self.config.model.cuda_graphs:
+            model = await asyncio.to_thread(self._graphed, model, tiers.cache, scoring, hstu)
+            backend = f"{backend}+graphs"
         self._scoped = LogScopedStore(self._store)
         self.engine = Engine(
-            loaded.model,
+            model,
             tiers,
             self._scoped,
             loaded.checkpoint.vocab,
@@ -221,21 +227,46 @@ class App:
             EngineConfig(
                 model_name=loaded.checkpoint.model_name,
                 model_version=loaded.checkpoint.version,
-                backend=loaded.backend,
+                backend=backend,
                 scoring=scoring,
             ),
         )
-        self.metrics.set_backend(loaded.backend)
+        self.metrics.set_backend(backend)
         log.info(
             "model ready",
             extra={
                 "model": loaded.checkpoint.model_name,
                 "model_version": loaded.checkpoint.version,
-                "backend": loaded.backend,
+                "backend": backend,
                 "device": str(loaded.device),
                 "kv_blocks": tiers.cache.pool.num_blocks,
             },
         )
+
+    def _graphed(
+        self, model: ServingModel, cache: KVCache, scoring: ScoringConfig, hstu: HSTUConfig
+    ) -> GraphedModel:
+        """Capture extend and rank as CUDA graphs now, so no step pays for a capture.
+
+        Buckets are powers of two: extend up to ``graph_max_tokens`` new tokens (a step
+        can carry several events per user), rank up to the batcher's ``max_batch_users``.
+        """
+        max_tokens = self.config.model.graph_max_tokens
+        buckets = tuple(1 << i for i in range(max_tokens.bit_length()))
+        max_users = self.config.batching.max_batch_users
+        rank = [b for b in buckets if b < 2 * max_users] if scoring.num_candidates else []
+        config = GraphConfig(
+            max_blocks=-(-hstu.max_seq_len // cache.config.block_size) + 1,
+            num_candidates=max(1, scoring.num_candidates),
+            buckets=buckets,
+        )
+        graphed = GraphedModel(model, cache.kv, cache.ts, config)
+        graphed.warm_up(extend=buckets, rank=rank)
+        log.info(
+            "CUDA graphs captured",
+            extra={"graphs": graphed.stats.captures, "seconds": round(graphed.stats.capture_s, 1)},
+        )
+        return graphed
 
     def _build_tiers(self, loaded: LoadedModel) -> KVTiers:
         hstu = loaded.checkpoint.config

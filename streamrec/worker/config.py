@@ -313,7 +313,12 @@ class CacheConfig(_Section):
 
 @dataclass(frozen=True)
 class ModelConfig(_Section):
-    """Which model to serve and how; ``require_aoti`` turns the eager fallback into an error."""
+    """Which model to serve and how; ``require_aoti`` turns the eager fallback into an error.
+
+    ``cuda_graphs`` (CUDA only) replays extend and rank as CUDA graphs captured at start
+    for batch buckets of powers of two, up to ``graph_max_tokens`` new tokens per step;
+    larger steps run eagerly.
+    """
 
     SECTION: ClassVar[str] = "model"
 
@@ -323,11 +328,13 @@ class ModelConfig(_Section):
     device: str = "auto"
     num_candidates: int = 200
     top_k: int = 20
+    cuda_graphs: bool = True
+    graph_max_tokens: int = 1024
 
     def _validate(self) -> None:
         self._require(str(self.model_dir) != "", "model_dir", "must not be empty")
         self._one_of("device", ("auto", "cpu", "cuda"))
-        self._positive("num_candidates", "top_k")
+        self._positive("num_candidates", "top_k", "graph_max_tokens")
         self._require(
             self.top_k <= self.num_candidates,
             "top_k",

@@ -1,0 +1,281 @@
+"""CUDA-graph replay of ``extend`` and ``rank`` for bucketed batch shapes.
+
+Why: the eager step issues about a thousand kernel launches from Python (8 layers of
+projections, norms, bias and the fused attention, for extend and again for rank). On the
+H200 that is ~22 ms of CPU per step at any batch size, which left the worker's one Python
+thread saturated at 2,000 events/s while the GPU idled (BENCHMARKS.md, issue 8 e). A
+replayed graph costs one launch.
+
+A graph has fixed shapes and fixed input addresses, so each call is padded up to a bucket
+and copied into that bucket's static buffers:
+
+- ``extend`` is bucketed on the token count T: the bucket of T tokens has T user rows.
+  The real B users keep their rows; each padding token becomes a one-token padding user,
+  the remaining padding users get no tokens. Padding users have no cached keys (length 0),
+  so the fused kernels skip them, and their outputs are dropped.
+- ``rank`` is bucketed on the user count B (candidates per user fixed at capture).
+- Block tables are padded to the widest table a user of ``max_seq_len`` can have; the
+  kernels never read past a user's length, so stale entries there are harmless.
+
+``prefill`` and ``retrieve`` stay eager (variable history lengths; retrieve is a handful of
+large kernels). Calls that fit no bucket, or whose pool tensors are not the ones captured,
+run eagerly too and are counted. Outputs are copied out of the graph's static outputs
+before returning, so a later replay cannot overwrite what a caller still holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from streamrec.errors import ConfigError
+from streamrec.pipeline.serving_model import ServingModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+Call = Callable[[], tuple[torch.Tensor, ...]]
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """Bucket sizes (tokens for extend, users for rank) and the fixed table width."""
+
+    max_blocks: int  # block-table width of every capture: ceil(max_seq_len / block_size)
+    num_candidates: int  # C of every rank capture
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    capture: bool = True  # False: pad and run eagerly (the CPU tests of the padding)
+
+    def __post_init__(self) -> None:
+        if self.max_blocks < 1 or self.num_candidates < 1:
+            raise ConfigError(
+                f"max_blocks={self.max_blocks} and num_candidates={self.num_candidates} "
+                "must be >= 1"
+            )
+        if not self.buckets or list(self.buckets) != sorted(set(self.buckets)):
+            raise ConfigError(f"buckets={self.buckets} must be strictly increasing")
+        if self.buckets[0] < 1:
+            raise ConfigError(f"buckets={self.buckets} must be >= 1")
+
+
+@dataclass
+class GraphStats:
+    """Counters the worker exports; ``eager_calls`` names calls that fit no graph."""
+
+    captures: int = 0
+    capture_s: float = 0.0
+    replays: int = 0
+    eager_calls: int = 0
+    by_bucket: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Graph:
+    inputs: tuple[torch.Tensor, ...]  # the static buffers the graph reads
+    call: Call  # the eager call on those buffers
+    outputs: tuple[torch.Tensor, ...] = ()  # the static tensors the graph writes
+    graph: torch.cuda.CUDAGraph | None = None  # None: capture=False, ``call`` runs eagerly
+
+
+class GraphedModel:
+    """A ``ServingModel`` whose ``extend`` and ``rank`` replay captured CUDA graphs."""
+
+    def __init__(
+        self,
+        model: ServingModel,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        config: GraphConfig,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self._kv_pool = kv_pool  # [Lyr, 2, NB, BS, H, d]: captured by address
+        self._ts_pool = ts_pool  # [NB, BS]
+        self._device = kv_pool.device
+        self._extend: dict[int, _Graph] = {}
+        self._rank: dict[int, _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if config.capture else None
+        self.stats = GraphStats()
+
+    # ------------------------------------------------------------------ protocol
+
+    def prefill(
+        self, items: torch.Tensor, actions: torch.Tensor, ts: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.model.prefill(items, actions, ts, offsets)
+
+    def retrieve(
+        self, user_emb: torch.Tensor, k: int, exclude: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.retrieve(user_emb, k, exclude)
+
+    def extend(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts: torch.Tensor,
+        offsets: torch.Tensor,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        num_tokens, num_users = items.shape[0], offsets.shape[0] - 1
+        bucket = self._bucket(num_tokens)
+        if bucket is None or not self._fits(kv_pool, ts_pool, block_tables):
+            self.stats.eager_calls += 1
+            return self.model.extend(
+                items, actions, ts, offsets, kv_pool, ts_pool, block_tables, cached_lens
+            )
+        entry = self._extend.get(bucket) or self._capture_extend(bucket)
+        s_items, s_actions, s_ts, s_offsets, s_tables, s_lens = entry.inputs
+        pad = bucket - num_tokens
+        for static, real in ((s_items, items), (s_actions, actions), (s_ts, ts)):
+            static[:num_tokens].copy_(real)
+            static[num_tokens:].zero_()  # padding tokens see only themselves: any value
+        s_offsets[: num_users + 1].copy_(offsets)
+        # padding user j (rows B..bucket-1) owns token T + j while padding tokens last
+        tail = torch.arange(1, bucket - num_users + 1, device=self._device).clamp(max=pad)
+        s_offsets[num_users + 1 :].copy_(num_tokens + tail)
+        s_tables[:num_users, : block_tables.shape[1]].copy_(block_tables)
+        s_lens[:num_users].copy_(cached_lens)
+        s_lens[num_users:].zero_()
+        k, v, emb = self._run(entry, f"extend/{bucket}")
+        return k[:, :num_tokens].clone(), v[:, :num_tokens].clone(), emb[:num_users].clone()
+
+    def rank(
+        self,
+        cand_items: torch.Tensor,
+        query_ts: torch.Tensor,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        num_users, num_cands = cand_items.shape
+        bucket = self._bucket(num_users)
+        if (
+            bucket is None
+            or num_cands != self.config.num_candidates
+            or not self._fits(kv_pool, ts_pool, block_tables)
+        ):
+            self.stats.eager_calls += 1
+            return self.model.rank(
+                cand_items, query_ts, kv_pool, ts_pool, block_tables, cached_lens
+            )
+        entry = self._rank.get(bucket) or self._capture_rank(bucket)
+        s_cand, s_ts, s_tables, s_lens = entry.inputs
+        s_cand[:num_users].copy_(cand_items)
+        s_ts[:num_users].copy_(query_ts)
+        s_tables[:num_users, : block_tables.shape[1]].copy_(block_tables)
+        s_lens[:num_users].copy_(cached_lens)
+        s_lens[num_users:].zero_()
+        (probs,) = self._run(entry, f"rank/{bucket}")
+        return probs[:num_users].clone()
+
+    # ------------------------------------------------------------------ graphs
+
+    def warm_up(
+        self, extend: Sequence[int] | None = None, rank: Sequence[int] | None = None
+    ) -> None:
+        """Capture these buckets now (start-up) instead of on the first call of each;
+        ``None`` means every configured bucket."""
+        for bucket in self.config.buckets if extend is None else extend:
+            if bucket not in self._extend:
+                self._capture_extend(bucket)
+        for bucket in self.config.buckets if rank is None else rank:
+            if bucket not in self._rank:
+                self._capture_rank(bucket)
+
+    def _bucket(self, n: int) -> int | None:
+        for bucket in self.config.buckets:
+            if n <= bucket:
+                return bucket
+        return None
+
+    def _fits(self, kv_pool: torch.Tensor, ts_pool: torch.Tensor, tables: torch.Tensor) -> bool:
+        return (
+            kv_pool.data_ptr() == self._kv_pool.data_ptr()
+            and ts_pool.data_ptr() == self._ts_pool.data_ptr()
+            and tables.shape[1] <= self.config.max_blocks
+        )
+
+    def _buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed block tables [rows, max_blocks] and lengths [rows]: all padding."""
+        tables = torch.zeros(
+            rows, self.config.max_blocks, dtype=torch.int32, device=self._device
+        )  # [R, MB]
+        return tables, torch.zeros(rows, dtype=torch.int64, device=self._device)  # [R]
+
+    def _capture_extend(self, bucket: int) -> _Graph:
+        def zeros() -> torch.Tensor:
+            return torch.zeros(bucket, dtype=torch.int64, device=self._device)  # [T]
+
+        offsets = torch.arange(bucket + 1, dtype=torch.int64, device=self._device)  # [T+1]
+        tables, lens = self._buffers(bucket)
+        inputs = (zeros(), zeros(), zeros(), offsets, tables, lens)
+
+        def call() -> tuple[torch.Tensor, ...]:
+            items, actions, ts, offs, tbl, lns = inputs
+            return self.model.extend(
+                items, actions, ts, offs, self._kv_pool, self._ts_pool, tbl, lns
+            )
+
+        entry = self._capture(call, inputs, f"extend/{bucket}")
+        self._extend[bucket] = entry
+        return entry
+
+    def _capture_rank(self, bucket: int) -> _Graph:
+        cand = torch.zeros(
+            bucket, self.config.num_candidates, dtype=torch.int64, device=self._device
+        )  # [B, C]
+        ts = torch.zeros(bucket, dtype=torch.int64, device=self._device)  # [B]
+        tables, lens = self._buffers(bucket)
+        inputs = (cand, ts, tables, lens)
+
+        def call() -> tuple[torch.Tensor, ...]:
+            return (self.model.rank(cand, ts, self._kv_pool, self._ts_pool, tables, lens),)
+
+        entry = self._capture(call, inputs, f"rank/{bucket}")
+        self._rank[bucket] = entry
+        return entry
+
+    def _capture(
+        self,
+        call: Callable[[], tuple[torch.Tensor, ...]],
+        inputs: tuple[torch.Tensor, ...],
+        name: str,
+    ) -> _Graph:
+        if not self.config.capture:
+            return _Graph(inputs=inputs, call=call)
+        start = time.perf_counter()
+        side = torch.cuda.Stream(self._device)
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(2):  # compiles the Triton kernels, lets cuBLAS pick its kernels
+                call()
+        torch.cuda.current_stream(self._device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with (
+            torch.no_grad(),
+            torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"),
+        ):
+            outputs = call()
+        seconds = time.perf_counter() - start
+        self.stats.captures += 1
+        self.stats.capture_s += seconds
+        log.info("captured CUDA graph", extra={"graph": name, "seconds": round(seconds, 3)})
+        return _Graph(inputs=inputs, call=call, outputs=outputs, graph=graph)
+
+    def _run(self, entry: _Graph, name: str) -> tuple[torch.Tensor, ...]:
+        self.stats.by_bucket[name] = self.stats.by_bucket.get(name, 0) + 1
+        if entry.graph is None:
+            with torch.no_grad():
+                return entry.call()
+        entry.graph.replay()
+        self.stats.replays += 1
+        return entry.outputs
