@@ -81,10 +81,16 @@ def _save(fig: Any, path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", default="bench/results/h200.json")
+    parser.add_argument(
+        "--results", nargs="+", default=["bench/results/h200.json"], help="rows are merged"
+    )
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
-    rows = json.loads(Path(args.results).read_text(encoding="utf-8"))["rows"]
+    rows = [
+        row
+        for name in args.results
+        for row in json.loads(Path(name).read_text(encoding="utf-8"))["rows"]
+    ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for path in plot_all(rows, out):

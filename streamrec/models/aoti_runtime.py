@@ -53,6 +53,10 @@ class AOTIModel:
         self._runners = runners
         self.config = config
         self.dtype = dtype
+        # "cuda" means the current CUDA device: pin the index so that the input check
+        # below accepts tensors on "cuda:0" (torch.device("cuda") != torch.device("cuda:0"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.retrieve_k = retrieve_k
         self.package_dir = package_dir

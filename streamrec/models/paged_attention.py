@@ -170,7 +170,8 @@ if triton is not None:
                 "tanh.approx.f32 $0, $1;", "=f,f", [s * 0.5], dtype=tl.float32, is_pure=True,
                 pack=1,
             )  # fmt: skip
-            c = s * (0.5 * inv_divisor).to(tl.float32)
+            # (scalars come in as fp32, or as fp64 from Inductor: cast the product)
+            c = (s * 0.5 * inv_divisor).to(tl.float32)
             return c * t + c
         else:
             return (s * tl.sigmoid(s) * inv_divisor).to(tl.float32)
