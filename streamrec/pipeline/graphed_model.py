@@ -71,6 +71,7 @@ class GraphStats:
     replays: int = 0
     eager_calls: int = 0
     by_bucket: dict[str, int] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)  # buckets whose capture raised
 
 
 @dataclass
@@ -79,6 +80,7 @@ class _Graph:
     call: Call  # the eager call on those buffers
     outputs: tuple[torch.Tensor, ...] = ()  # the static tensors the graph writes
     graph: torch.cuda.CUDAGraph | None = None  # None: capture=False, ``call`` runs eagerly
+    failed: bool = False  # the capture raised: this bucket's calls run eagerly, unpadded
 
 
 class GraphedModel:
@@ -132,6 +134,11 @@ class GraphedModel:
                 items, actions, ts, offsets, kv_pool, ts_pool, block_tables, cached_lens
             )
         entry = self._extend.get(bucket) or self._capture_extend(bucket)
+        if entry.failed:
+            self.stats.eager_calls += 1
+            return self.model.extend(
+                items, actions, ts, offsets, kv_pool, ts_pool, block_tables, cached_lens
+            )
         s_items, s_actions, s_ts, s_offsets, s_tables, s_lens = entry.inputs
         pad = bucket - num_tokens
         for static, real in ((s_items, items), (s_actions, actions), (s_ts, ts)):
@@ -168,6 +175,11 @@ class GraphedModel:
                 cand_items, query_ts, kv_pool, ts_pool, block_tables, cached_lens
             )
         entry = self._rank.get(bucket) or self._capture_rank(bucket)
+        if entry.failed:
+            self.stats.eager_calls += 1
+            return self.model.rank(
+                cand_items, query_ts, kv_pool, ts_pool, block_tables, cached_lens
+            )
         s_cand, s_ts, s_tables, s_lens = entry.inputs
         s_cand[:num_users].copy_(cand_items)
         s_ts[:num_users].copy_(query_ts)
@@ -244,15 +256,26 @@ class GraphedModel:
         self._rank[bucket] = entry
         return entry
 
-    def _capture(
-        self,
-        call: Callable[[], tuple[torch.Tensor, ...]],
-        inputs: tuple[torch.Tensor, ...],
-        name: str,
-    ) -> _Graph:
+    def _capture(self, call: Call, inputs: tuple[torch.Tensor, ...], name: str) -> _Graph:
         if not self.config.capture:
             return _Graph(inputs=inputs, call=call)
         start = time.perf_counter()
+        try:
+            outputs, graph = self._record(call)
+        except RuntimeError as exc:  # out of memory, or an op that cannot be captured
+            log.warning(
+                "CUDA graph capture failed: this bucket runs eagerly",
+                extra={"graph": name, "error": repr(exc)[:300]},
+            )
+            self.stats.failed.append(name)
+            return _Graph(inputs=inputs, call=call, failed=True)
+        seconds = time.perf_counter() - start
+        self.stats.captures += 1
+        self.stats.capture_s += seconds
+        log.info("captured CUDA graph", extra={"graph": name, "seconds": round(seconds, 3)})
+        return _Graph(inputs=inputs, call=call, outputs=outputs, graph=graph)
+
+    def _record(self, call: Call) -> tuple[tuple[torch.Tensor, ...], torch.cuda.CUDAGraph]:
         side = torch.cuda.Stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.no_grad(), torch.cuda.stream(side):
@@ -265,11 +288,7 @@ class GraphedModel:
             torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"),
         ):
             outputs = call()
-        seconds = time.perf_counter() - start
-        self.stats.captures += 1
-        self.stats.capture_s += seconds
-        log.info("captured CUDA graph", extra={"graph": name, "seconds": round(seconds, 3)})
-        return _Graph(inputs=inputs, call=call, outputs=outputs, graph=graph)
+        return outputs, graph
 
     def _run(self, entry: _Graph, name: str) -> tuple[torch.Tensor, ...]:
         self.stats.by_bucket[name] = self.stats.by_bucket.get(name, 0) + 1

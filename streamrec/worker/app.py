@@ -130,6 +130,7 @@ class App:
         self._log_replaced = False
         self._time_policy = EventTimePolicy(config.topics.max_future_skew_ms)
         self.engine: Engine | None = None
+        self._graphed: GraphedModel | None = None
         self._on_published = on_published
         self._kinds = {
             config.topics.playback: EventKind.PLAYBACK,
@@ -215,8 +216,10 @@ class App:
         scoring = serving_scoring(self.config.model, hstu)
         model, backend = loaded.model, loaded.backend
         if loaded.device.type == "cuda" and self.config.model.cuda_graphs:
-            model = await asyncio.to_thread(self._graphed, model, tiers.cache, scoring, hstu)
-            backend = f"{backend}+graphs"
+            self._graphed = await asyncio.to_thread(
+                self._capture_graphs, model, tiers.cache, scoring, hstu
+            )
+            model = self._graphed  # the backend label stays: graphs have their own counter
         self._scoped = LogScopedStore(self._store)
         self.engine = Engine(
             model,
@@ -243,7 +246,7 @@ class App:
             },
         )
 
-    def _graphed(
+    def _capture_graphs(
         self, model: ServingModel, cache: KVCache, scoring: ScoringConfig, hstu: HSTUConfig
     ) -> GraphedModel:
         """Capture extend and rank as CUDA graphs now, so no step pays for a capture.
@@ -414,6 +417,8 @@ class App:
                 self.metrics.observe_batch(batch, engine.stats().phase_seconds)
                 store = self._store.stats() if self._store is not None else None
                 self.metrics.sync_caches(engine.tiers.stats(), store)
+                if self._graphed is not None:
+                    self.metrics.sync_graphs(self._graphed.stats)
         except StreamrecError as exc:
             self._fatal(exc)
 

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from streamrec.cache.stats import HistoryStoreStats, KVTiersStats
+from streamrec.pipeline.graphed_model import GraphStats
 from streamrec.pipeline.micro_batcher import Batch
 
 # Latency buckets from 1 ms to 30 s; batch sizes in powers of two up to 1,024 users.
@@ -109,6 +110,12 @@ class WorkerMetrics:
             registry=r,
         )
         self.rebalances = Counter(p + "rebalances", "Consumer-group rebalances seen", registry=r)
+        self.graph_calls = Counter(
+            p + "model_graph_calls",
+            "extend/rank calls by how they ran: a replayed CUDA graph, or eager (no bucket fits)",
+            ["mode"],
+            registry=r,
+        )
         self.model_backend = Gauge(
             p + "model_backend", "1 for the model backend in use", ["backend"], registry=r
         )
@@ -199,6 +206,11 @@ class WorkerMetrics:
             self._sync(self.cache_misses, "history", store.misses)
         self.kv_blocks.labels("used").set(tiers.pool.blocks_used)
         self.kv_blocks.labels("free").set(tiers.pool.blocks_free)
+
+    def sync_graphs(self, stats: GraphStats) -> None:
+        """CUDA-graph replays and the calls that fell back to eager, from cumulative stats."""
+        self._sync(self.graph_calls, "graph", stats.replays)
+        self._sync(self.graph_calls, "eager", stats.eager_calls)
 
     def _sync(self, family: Counter, tier: str, cumulative: float) -> None:
         key = (id(family), tier)
