@@ -187,7 +187,7 @@ if triton is not None:
         <= |dt|, so ``time_bias[bucket] = time_bias[0] + Σ_{edge <= |dt|} Δ`` with
         Δ[e] = time_bias[e+1] - time_bias[e] held in registers: exact integer bucketing
         and no load that waits on the bucket. (A gather of ``time_bias[bucket]`` instead
-        made the memory-bound decode kernel 2.3x slower on the H200: one more dependent
+        made the memory-bound decode kernel ~3x slower on the H200: one more dependent
         load per key tile.)
         """
         dt = ts_q - k_ts
