@@ -215,7 +215,9 @@ class App:
         tiers = self._build_tiers(loaded)
         scoring = serving_scoring(self.config.model, hstu)
         model, backend = loaded.model, loaded.backend
-        if loaded.device.type == "cuda" and self.config.model.cuda_graphs:
+        # AOTI packages are not captured: their input checks read values on the host,
+        # which a capture forbids (and AOTI inside a graph is unmeasured on the H200).
+        if loaded.device.type == "cuda" and self.config.model.cuda_graphs and backend == "eager":
             self._graphed = await asyncio.to_thread(
                 self._capture_graphs, model, tiers.cache, scoring, hstu
             )
