@@ -202,10 +202,22 @@ class ModelStep:
         self.tiers.cache.write(slots, k, v, ts)
 
     def _prefill(self, work: list[UserWork]) -> dict[str, torch.Tensor]:
-        items, actions, ts, offsets = self._jagged(work)
-        k, v, user_emb = self.model.prefill(items, actions, ts, offsets)  # [Lyr,T,H,d], [B,D]
-        self._write(work, k, v, ts)
-        return {w.user_id: user_emb[row] for row, w in enumerate(work)}
+        """One prefill per group of similar history lengths (power-of-two classes).
+
+        A dense prefill pads every row to the longest history of its call, and its cost
+        grows with the square of that width: grouping keeps a few long users from making
+        every short one pay for their length.
+        """
+        groups: dict[int, list[UserWork]] = {}
+        for w in work:
+            groups.setdefault(max(64, int(w.tokens.shape[0]) - 1).bit_length(), []).append(w)
+        emb: dict[str, torch.Tensor] = {}
+        for _, group in sorted(groups.items()):
+            items, actions, ts, offsets = self._jagged(group)
+            k, v, user_emb = self.model.prefill(items, actions, ts, offsets)  # [Lyr,T,H,d]
+            self._write(group, k, v, ts)
+            emb.update({w.user_id: user_emb[row] for row, w in enumerate(group)})
+        return emb
 
     def _extend(self, work: list[UserWork]) -> dict[str, torch.Tensor]:
         items, actions, ts, offsets = self._jagged(work)

@@ -249,3 +249,28 @@ def test_validate_offsets_names_the_problem() -> None:
         validate_offsets(torch.tensor([0, 5]), 6)
     with pytest.raises(ModelError, match="max_seq_len=3"):
         validate_offsets(torch.tensor([0, 4]), 4, max_len=3)
+
+
+@torch.no_grad()
+def test_prefill_width_changes_cost_not_results() -> None:
+    """Rows as wide as the longest history (rounded to 64) give the max_seq_len result."""
+    cfg = HSTUConfig(
+        num_items=50, d_model=16, num_layers=2, num_heads=2, head_dim=8, max_seq_len=256,
+        num_time_buckets=8, task_hidden=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = HSTU(cfg).eval()
+    for layer in model.layers:
+        layer.pos_bias.normal_(0, 0.5)
+        layer.time_bias.normal_(0, 0.5)
+    gen = torch.Generator().manual_seed(0)
+    lens = [1, 40, 7, 65]
+    hist = [random_history(cfg, n, gen) for n in lens]
+    items, actions, ts, offsets = jagged(hist, lens, [0] * len(lens))
+    assert model.dense_width(offsets) == 128  # longest 65, rounded up to 64s
+    assert model.dense_width(offsets[:3]) == 64
+    tight = model.prefill_states(items, actions, ts, offsets)
+    full = model.prefill_states(items, actions, ts, offsets, width=cfg.max_seq_len)
+    for got, want in zip(tight, full, strict=True):
+        assert got.shape == want.shape
+        assert rel_err(got, want) < 1e-6
