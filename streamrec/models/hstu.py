@@ -299,7 +299,8 @@ class HSTU(nn.Module):
         keeps ``max_seq_len``: its shapes must not depend on values.
         """
         n = self.config.max_seq_len
-        traced = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+        exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
+        traced = torch.compiler.is_compiling() or exporting
         if traced or isinstance(offsets, torch._subclasses.FakeTensor) or offsets.numel() < 2:
             return n
         longest = int(offsets.diff().max())  # one host sync, eager only
