@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from streamrec.errors import ModelError
 from streamrec.models.attention import relative_bias, silu_attention
@@ -108,6 +109,16 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise ModelError(f"k_cache rows must be contiguous [H, d], strides {k_cache.stride()}")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ModelError(f"paged attention needs a power-of-two head_dim >= 16, got {head_dim}")
+
+
+def _fast_silu(fast: bool, q: torch.Tensor) -> bool:
+    """Whether a launch may use the ``tanh.approx`` SiLU: bf16/fp16 only, and only when
+    launched eagerly. Inside a graph that Inductor traces (torch.compile, AOTInductor) the
+    tensors are fake and the exact sigmoid is used: the compiled incremental step with the
+    inline assembly hit an illegal memory access on the H200."""
+    if not fast or q.dtype == torch.float32:
+        return False
+    return not (torch.compiler.is_compiling() or is_fake(q))
 
 
 def _num_splits(programs: int, span: int, block_n: int, target: int = TARGET_PROGRAMS) -> int:
@@ -403,7 +414,7 @@ if triton is not None:
             k_cache.stride(0), k_cache.stride(1), 1.0 / math.sqrt(head_dim), 1.0 / divisor,
             H=num_heads, D=head_dim, NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
             NT_P2=_next_pow2(max(2, time_bias.shape[0] - 1)), BLOCK_N=block_n,
-            FAST=fast and q.dtype != torch.float32, num_warps=num_warps,
+            FAST=_fast_silu(fast, q), num_warps=num_warps,
         )  # fmt: skip
         return out
 
@@ -475,7 +486,7 @@ if triton is not None:
             NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
             NT_P2=_next_pow2(max(2, time_bias.shape[0] - 1)), BLOCK_M=block_m, BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32,
-            FAST=fast and q.dtype != torch.float32, USER_MAP=user_map, num_warps=num_warps,
+            FAST=_fast_silu(fast, q), USER_MAP=user_map, num_warps=num_warps,
             num_stages=num_stages,
         )  # fmt: skip
         return out
