@@ -111,7 +111,7 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise ModelError(f"paged attention needs a power-of-two head_dim >= 16, got {head_dim}")
 
 
-def _fast_silu(fast: bool, q: torch.Tensor) -> bool:
+def fast_silu_allowed(fast: bool, q: torch.Tensor) -> bool:
     """Whether a launch may use the ``tanh.approx`` SiLU: bf16/fp16 only, and only when
     launched eagerly. Inside a graph that Inductor traces (torch.compile, AOTInductor) the
     tensors are fake and the exact sigmoid is used: the compiled incremental step with the
@@ -414,7 +414,7 @@ if triton is not None:
             k_cache.stride(0), k_cache.stride(1), 1.0 / math.sqrt(head_dim), 1.0 / divisor,
             H=num_heads, D=head_dim, NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
             NT_P2=_next_pow2(max(2, time_bias.shape[0] - 1)), BLOCK_N=block_n,
-            FAST=_fast_silu(fast, q), num_warps=num_warps,
+            FAST=fast_silu_allowed(fast, q), num_warps=num_warps,
         )  # fmt: skip
         return out
 
@@ -486,7 +486,7 @@ if triton is not None:
             NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
             NT_P2=_next_pow2(max(2, time_bias.shape[0] - 1)), BLOCK_M=block_m, BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32,
-            FAST=_fast_silu(fast, q), USER_MAP=user_map, num_warps=num_warps,
+            FAST=fast_silu_allowed(fast, q), USER_MAP=user_map, num_warps=num_warps,
             num_stages=num_stages,
         )  # fmt: skip
         return out

@@ -25,6 +25,7 @@ from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
 from streamrec.models.paged_attention import (
     check_inputs,
+    fast_silu_allowed,
     fused_attention_enabled,
     fused_candidate_attention,
     fused_context_attention,
@@ -203,6 +204,18 @@ def test_check_inputs(q_shape: tuple[int, ...], match: str | None) -> None:
         return
     with pytest.raises(ModelError, match=match):
         check_inputs(torch.zeros(q_shape), k_cache)
+
+
+def test_fast_silu_only_in_eager_low_precision_launches() -> None:
+    """The tanh.approx SiLU never reaches fp32 math nor a graph Inductor compiles."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert fast_silu_allowed(True, torch.zeros(2, dtype=torch.bfloat16))
+    assert not fast_silu_allowed(False, torch.zeros(2, dtype=torch.bfloat16))
+    assert not fast_silu_allowed(True, torch.zeros(2, dtype=torch.float32))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.zeros(2, dtype=torch.bfloat16))
+        assert not fast_silu_allowed(True, fake)
 
 
 # ------------------------------------------------------------------------ GPU
