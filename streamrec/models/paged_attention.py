@@ -402,10 +402,10 @@ if triton is not None:
         per_split = (span + splits - 1) // splits
         per_split = (per_split + block_n - 1) // block_n * block_n
         if mma:  # one new token per 16-row tensor-core tile
-            return _launch_groups(
-                q.unsqueeze(1), q_pos, q_ts, q_user, k_cache, v_cache, ts_pool, block_tables,
+            return launch_candidates(
+                q.unsqueeze(1), q_pos, q_ts, k_cache, v_cache, ts_pool, block_tables,
                 cached_lens, pos_bias, time_bias, edges, divisor, 16, block_n, num_warps,
-                mma_stages, target_programs, fast, user_map=True,
+                mma_stages, target_programs, fast, q_user=q_user,
             ).squeeze(1)  # fmt: skip
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         torch.library.wrap_triton(_decode_kernel)[(num_queries, num_heads, splits)](
@@ -437,37 +437,13 @@ if triton is not None:
         num_stages: int = CAND_STAGES,
         target_programs: int = CAND_TARGET_PROGRAMS,
         fast: bool = True,
+        q_user: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The candidate kernel with an explicit launch shape. Returns fp32 [B, C, H, d]."""
-        return _launch_groups(
-            q, q_pos, q_ts, q_pos, k_cache, v_cache, ts_pool, block_tables, cached_lens,
-            pos_bias, time_bias, edges, divisor, block_m, block_n, num_warps, num_stages,
-            target_programs, fast, user_map=False,
-        )  # fmt: skip
+        """The tensor-core kernel over q [groups, C, H, d] with an explicit launch shape.
 
-    def _launch_groups(
-        q: torch.Tensor,
-        q_pos: torch.Tensor,
-        q_ts: torch.Tensor,
-        q_user: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        ts_pool: torch.Tensor,
-        block_tables: torch.Tensor,
-        cached_lens: torch.Tensor,
-        pos_bias: torch.Tensor,
-        time_bias: torch.Tensor,
-        edges: torch.Tensor,
-        divisor: int,
-        block_m: int,
-        block_n: int,
-        num_warps: int,
-        num_stages: int,
-        target_programs: int,
-        fast: bool,
-        user_map: bool,
-    ) -> torch.Tensor:
-        """The tensor-core kernel over q [groups, C, H, d]. Returns fp32 of q's shape."""
+        A group is one user's C candidates (rank), or with ``q_user`` [groups] a query
+        group of user ``q_user[g]`` (the tensor-core decode). Returns fp32 of q's shape.
+        """
         num_groups, num_cands, num_heads, head_dim = q.shape
         block_size = ts_pool.shape[1]
         max_blocks = block_tables.shape[1]
@@ -479,15 +455,14 @@ if triton is not None:
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         grid = (num_groups * m_tiles, num_heads, splits)
         torch.library.wrap_triton(_candidate_kernel)[grid](
-            q.contiguous(), q_pos, q_ts, q_user, k_cache, v_cache, ts_pool, block_tables,
-            cached_lens, pos_bias, time_bias, edges, out, num_cands, m_tiles, max_blocks,
-            block_size, per_split, k_cache.stride(0), k_cache.stride(1),
+            q.contiguous(), q_pos, q_ts, q_pos if q_user is None else q_user, k_cache, v_cache,
+            ts_pool, block_tables, cached_lens, pos_bias, time_bias, edges, out, num_cands,
+            m_tiles, max_blocks, block_size, per_split, k_cache.stride(0), k_cache.stride(1),
             1.0 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads, D=head_dim,
             NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
             NT_P2=_next_pow2(max(2, time_bias.shape[0] - 1)), BLOCK_M=block_m, BLOCK_N=block_n,
-            IEEE=q.dtype == torch.float32,
-            FAST=fast_silu_allowed(fast, q), USER_MAP=user_map, num_warps=num_warps,
-            num_stages=num_stages,
+            IEEE=q.dtype == torch.float32, FAST=fast_silu_allowed(fast, q),
+            USER_MAP=q_user is not None, num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         return out
 
