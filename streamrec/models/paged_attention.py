@@ -394,6 +394,12 @@ if triton is not None:
     ) -> torch.Tensor:
         """The decode kernel with an explicit launch shape (the op uses the defaults;
         bench/h200_bench.py sweeps them). Returns fp32 [G, H, d]."""
+        if mma:  # one new token per 16-row tensor-core tile
+            return launch_candidates(
+                q.unsqueeze(1), q_pos, q_ts, k_cache, v_cache, ts_pool, block_tables,
+                cached_lens, pos_bias, time_bias, edges, divisor, 16, block_n, num_warps,
+                mma_stages, target_programs, fast, q_user=q_user,
+            ).squeeze(1)  # fmt: skip
         num_queries, num_heads, head_dim = q.shape
         block_size = ts_pool.shape[1]
         max_blocks = block_tables.shape[1]
@@ -401,12 +407,6 @@ if triton is not None:
         splits = _num_splits(num_queries * num_heads, span, block_n, target_programs)
         per_split = (span + splits - 1) // splits
         per_split = (per_split + block_n - 1) // block_n * block_n
-        if mma:  # one new token per 16-row tensor-core tile
-            return launch_candidates(
-                q.unsqueeze(1), q_pos, q_ts, k_cache, v_cache, ts_pool, block_tables,
-                cached_lens, pos_bias, time_bias, edges, divisor, 16, block_n, num_warps,
-                mma_stages, target_programs, fast, q_user=q_user,
-            ).squeeze(1)  # fmt: skip
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         torch.library.wrap_triton(_decode_kernel)[(num_queries, num_heads, splits)](
             q.contiguous(), q_pos, q_ts, q_user, k_cache, v_cache, ts_pool, block_tables,
