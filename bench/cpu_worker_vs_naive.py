@@ -49,10 +49,10 @@ from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import Event, InteractionEvent, PlaybackEvent
 from streamrec.schemas.records import Recommendation
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
+from streamrec.tools.demo import train_demo_model, worker_config
+from streamrec.tools.devbroker import DevBroker
 from streamrec.worker.app import App, serving_scoring
 from streamrec.worker.config import WorkerConfig
-from streamrec.worker.demo import train_demo_model, worker_config
-from streamrec.worker.devbroker import DevBroker
 from streamrec.worker.model_loader import LoadedModel, load_model
 
 _DURATION_MS = 200_000

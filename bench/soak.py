@@ -53,7 +53,8 @@ from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import InteractionEvent, PlaybackEvent
 from streamrec.schemas.records import Recommendation
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER
-from streamrec.worker.cli import render_toml
+from streamrec.tools.cli import render_toml
+from streamrec.tools.devbroker import DevBroker, free_port
 from streamrec.worker.config import (
     BatchingConfig,
     CacheConfig,
@@ -66,7 +67,6 @@ from streamrec.worker.config import (
     TopicsConfig,
     WorkerConfig,
 )
-from streamrec.worker.devbroker import DevBroker, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PARTITIONS = 4
@@ -306,7 +306,7 @@ def spawn_worker(config: WorkerConfig, workdir: Path) -> subprocess.Popen[bytes]
     env["PYTHONPATH"] = str(REPO)
     with (workdir / "worker.log").open("wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "streamrec.worker.cli", "run", "--config", str(file)],
+            [sys.executable, "-m", "streamrec.tools.cli", "run", "--config", str(file)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -68,9 +68,9 @@ from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import PlaybackEvent
 from streamrec.schemas.records import Recommendation
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
+from streamrec.tools.devbroker import DevBroker
 from streamrec.worker import config as wc
 from streamrec.worker.app import App
-from streamrec.worker.devbroker import DevBroker
 from streamrec.worker.model_loader import LoadedModel
 
 IntArray = npt.NDArray[np.int64]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from streamrec.worker.devbroker import DevBroker
+from streamrec.tools.devbroker import DevBroker
 
 REDIS_HOST = "127.0.0.1"
 REDIS_PORT = 6379

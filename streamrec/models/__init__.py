@@ -1,8 +1,8 @@
-"""streamrec.models: the HSTU model, its checkpoints, training and evaluation.
+"""streamrec.models: the HSTU model as it is served: weights, kernels, checkpoints, AOTI.
 
 Entry points other packages call (see docs/contracts.md):
 ``hstu.HSTU.prefill/extend/rank/retrieve``, ``checkpoint.load_checkpoint``,
-``vocabulary.ItemVocabulary``, ``training.train``, ``evaluation.evaluate``,
-``datasets.read_movielens`` / ``datasets.synthetic_log``. Submodules are imported
-explicitly so that importing this package does not pull in torch.
+``vocabulary.ItemVocabulary``, ``aoti_runtime.AOTIModel``. Training and evaluation live in
+``streamrec.offline``. Submodules are imported explicitly so that importing this package
+does not pull in torch.
 """

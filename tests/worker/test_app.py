@@ -10,8 +10,8 @@ import pytest
 
 from streamrec.cache.history_store import open_history_store
 from streamrec.errors import BrokerError
+from streamrec.tools.devbroker import free_port
 from streamrec.worker.app import App
-from streamrec.worker.devbroker import free_port
 from tests.worker.harness import (
     PARTITIONS,
     Topics,

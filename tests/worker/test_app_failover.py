@@ -17,8 +17,8 @@ import pytest
 from streamrec.cache.history_store import open_history_store
 from streamrec.schemas.codec import RawRecord, decode_batch
 from streamrec.schemas.events import EventKind
+from streamrec.tools.cli import render_toml
 from streamrec.worker.app import App
-from streamrec.worker.cli import render_toml
 from streamrec.worker.config import WorkerConfig
 from tests.worker.harness import (
     Stream,
@@ -65,7 +65,7 @@ def spawn(config: WorkerConfig, tmp_path: Path, name: str) -> subprocess.Popen[b
     env["PYTHONPATH"] = str(REPO)
     with (tmp_path / f"{name}.log").open("wb") as log:  # the child keeps its own copy
         return subprocess.Popen(
-            [sys.executable, "-m", "streamrec.worker.cli", "run", "--config", str(file)],
+            [sys.executable, "-m", "streamrec.tools.cli", "run", "--config", str(file)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -31,9 +31,9 @@ from streamrec.cache.kv_cache import KVCacheConfig
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import InteractionEvent, PlaybackEvent
 from streamrec.schemas.validation import ErrorKind
+from streamrec.tools.devbroker import DevBroker, free_port
 from streamrec.worker.app import App
 from streamrec.worker.config import ModelConfig, WorkerConfig
-from streamrec.worker.devbroker import DevBroker, free_port
 from streamrec.worker.model_loader import LoadedModel, load_model
 from tests.worker.harness import (
     BLOCK_SIZE,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from streamrec.models.checkpoint import load_checkpoint
-from streamrec.models.datasets import InteractionLog
+from streamrec.offline.datasets import InteractionLog
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,13 @@ from typing import TextIO
 import numpy as np
 
 from streamrec.errors import BrokerError, ConfigError
-from streamrec.models.datasets import InteractionLog, SyntheticSpec, read_movielens, synthetic_log
-from streamrec.models.training import TrainConfig, train
+from streamrec.offline.datasets import InteractionLog, SyntheticSpec, read_movielens, synthetic_log
+from streamrec.offline.training import TrainConfig, train
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import Action, Event, InteractionEvent, PlaybackEvent
 from streamrec.schemas.records import Recommendation
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
+from streamrec.tools.devbroker import DevBroker
 from streamrec.worker.app import App
 from streamrec.worker.config import (
     BatchingConfig,
@@ -41,7 +42,6 @@ from streamrec.worker.config import (
     TopicsConfig,
     WorkerConfig,
 )
-from streamrec.worker.devbroker import DevBroker
 
 _DURATION_MS = 200_000
 _PLAYED_MS = {Action.COMPLETE: 190_000, Action.PARTIAL: 100_000, Action.SKIP: 10_000}

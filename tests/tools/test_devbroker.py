@@ -10,7 +10,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from streamrec.errors import BrokerError
-from streamrec.worker.devbroker import DevBroker, free_port
+from streamrec.tools.devbroker import DevBroker, free_port
 
 pytestmark = pytest.mark.broker
 
@@ -150,7 +150,7 @@ def test_port_taken_after_the_check_is_not_mistaken_for_ready(
     # The race free_port cannot close: the port is taken between the check and the launch.
     # The other broker answers on it, but with another cluster id, so start() must not
     # report success; the new process exits and start() gives up after its retries.
-    import streamrec.worker.devbroker as devbroker_module
+    import streamrec.tools.devbroker as devbroker_module
 
     taken = int(broker.bootstrap_servers.rsplit(":", 1)[1])
     monkeypatch.setattr(devbroker_module, "free_port", lambda host, port=0: taken)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from streamrec.errors import ModelError
-from streamrec.models.datasets import SyntheticSpec, read_movielens, synthetic_log
+from streamrec.offline.datasets import SyntheticSpec, read_movielens, synthetic_log
 from streamrec.schemas.events import Action
 
 MOVIELENS = Path("/work/shared/data/movielens-small/ratings.csv")

@@ -10,9 +10,9 @@ import torch
 
 from streamrec.errors import ConfigError
 from streamrec.models.checkpoint import load_checkpoint
-from streamrec.models.datasets import SyntheticSpec, read_movielens, synthetic_log
-from streamrec.models.evaluation import evaluate
-from streamrec.models.training import TrainConfig, train
+from streamrec.offline.datasets import SyntheticSpec, read_movielens, synthetic_log
+from streamrec.offline.evaluation import evaluate
+from streamrec.offline.training import TrainConfig, train
 from tests.models.paged import FakePagedCache
 
 MOVIELENS = Path("/work/shared/data/movielens-small/ratings.csv")

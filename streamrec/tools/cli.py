@@ -18,8 +18,8 @@ from typing import Any, Final
 
 from streamrec import __version__
 from streamrec.errors import ConfigError, StreamrecError
-from streamrec.models.export_command import add_export_arguments, run_export
-from streamrec.models.training import TrainConfig
+from streamrec.offline.training import TrainConfig
+from streamrec.tools.export_command import add_export_arguments, run_export
 from streamrec.worker.config import ENV_CONFIG_FILE, WorkerConfig, config_fields, load_config
 from streamrec.worker.model_loader import export_config_for
 
@@ -187,7 +187,7 @@ def render_toml(data: dict[str, dict[str, Any]]) -> str:
 
 def _produce(args: argparse.Namespace) -> int:
     from streamrec.schemas.wire import WireFormat
-    from streamrec.worker.produce_command import kind_for_topic, produce_stream
+    from streamrec.tools.produce_command import kind_for_topic, produce_stream
 
     config = effective_config(args)
     kind = kind_for_topic(args.topic, config.topics, args.kind)
@@ -243,8 +243,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from streamrec.tools.demo import DemoConfig, run_demo
     from streamrec.worker.config import LogConfig
-    from streamrec.worker.demo import DemoConfig, run_demo
     from streamrec.worker.logging_setup import configure_logging
 
     configure_logging(LogConfig(format="text", level=args.log_level))
@@ -261,7 +261,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _training_data(args: argparse.Namespace) -> Any:
-    from streamrec.models.datasets import SyntheticSpec, read_movielens, synthetic_log
+    from streamrec.offline.datasets import SyntheticSpec, read_movielens, synthetic_log
 
     if args.events is not None:
         return read_movielens(args.events)
@@ -269,7 +269,7 @@ def _training_data(args: argparse.Namespace) -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from streamrec.models.training import train
+    from streamrec.offline.training import train
 
     config = TrainConfig(
         epochs=args.epochs,
@@ -287,7 +287,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from streamrec.models.evaluation import evaluate
+    from streamrec.offline.evaluation import evaluate
 
     evaluate(
         args.model,

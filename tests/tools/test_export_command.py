@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrec.models.export_command import add_export_arguments, run_export
+from streamrec.tools.export_command import add_export_arguments, run_export
 
 
 def parse(*argv: str) -> argparse.Namespace:

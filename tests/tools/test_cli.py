@@ -13,8 +13,8 @@ from aiokafka.structs import ConsumerRecord
 
 from streamrec.schemas.codec import RawRecord, decode_batch
 from streamrec.schemas.events import EventKind, InteractionEvent, PlaybackEvent
-from streamrec.worker.cli import main
-from streamrec.worker.devbroker import DevBroker
+from streamrec.tools.cli import main
+from streamrec.tools.devbroker import DevBroker
 
 STREAMREC = Path(sys.executable).with_name("streamrec")  # the installed console script
 
@@ -167,7 +167,7 @@ def test_produce_missing_file_is_an_error(
 def test_produce_unreachable_broker_is_an_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from streamrec.worker.devbroker import free_port
+    from streamrec.tools.devbroker import free_port
 
     source = tmp_path / "e.jsonl"
     source.write_text('{"user_id":"u1","item_id":"i9","ts_ms":1,"action":"like"}\n')

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from streamrec.errors import ConfigError
 from streamrec.models.checkpoint import save_checkpoint
 from streamrec.models.config import HSTUConfig
-from streamrec.models.datasets import InteractionLog
 from streamrec.models.hstu import HSTU
-from streamrec.models.progress import ProgressBar
 from streamrec.models.vocabulary import ItemVocabulary
+from streamrec.offline.datasets import InteractionLog
+from streamrec.offline.progress import ProgressBar
 from streamrec.schemas.events import Action
 
 # Which next-token actions make a task's label 1.
