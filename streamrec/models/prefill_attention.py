@@ -1,0 +1,654 @@
+# mypy: disable-error-code="no-untyped-def"
+# (Triton reads the annotations of @jit kernels, so their parameters stay unannotated.)
+"""Fused jagged causal SiLU attention for prefill, and the candidate rule over its K/V.
+
+A cache miss (and the full-recompute baseline) encodes whole histories. The dense path
+pads every user to a ``[B, W]`` grid and materialises ``[B, H, W, W]`` scores, biases and
+masks in HBM; here a Triton kernel walks the jagged tokens (values ``[T, H, d]`` +
+offsets ``[B+1]``) in ``BLOCK_M × BLOCK_N`` tensor-core tiles, keeps scores in registers,
+accumulates in fp32 and skips every tile above the diagonal.
+
+The bias is computed in the kernel per (query, key) pair, so it must be cheap and exact:
+
+- relative position: one gather ``pos_bias[i - j, h]`` (the table stays in L1/L2);
+- time: ``bucketize(|ts_i - ts_j|, edges)`` with integer edges (``attention.py``). The
+  timestamps are converted to fp64 (exact below 2^53 ms), so ``|dt|`` is exact; the
+  exponent and the top two mantissa bits of ``|dt|`` name one of ``NUM_CELLS`` cells
+  (a quarter octave each) that holds at most one edge (checked by ``time_cells_exact``).
+  A small per-call table gives per cell that edge and the per-head bias below and above
+  it, so the bucket's bias costs two independent gathers and one exact compare, and
+  equals the reference bit for bit.
+
+Programs are laid out jagged: user b's query tiles occupy program ids
+``offsets[b] // BLOCK_M + b + (0 … tiles_b - 1)`` (disjoint for consecutive users, at most
+one idle id per user), so the grid depends on the shapes only (``T // BLOCK_M + B + 1``)
+and the ops export. Each user's heaviest (last) tile runs first.
+
+Candidates (the rank rule in a full recompute): C candidates of user b sit at position
+``len_b`` with the user's newest timestamp; they attend to all of b's tokens and to
+themselves (the self term is folded into the kernel), never to each other. Their bias is
+per key only, so one bias row serves the whole candidate tile; small batches are cut along
+the keys (fp32 atomics), as SiLU attention has no softmax and partial sums add.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from streamrec.errors import ModelError
+from streamrec.models.attention import (
+    relative_bias,
+    self_attention_term,
+    silu_attention,
+    time_bucket_edges,
+)
+from streamrec.models.paged_attention import fast_silu_allowed, fused_attention_enabled
+
+try:  # Triton ships with CUDA builds of torch only.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on the CPU CI machine
+    triton = None
+    tl = None
+
+OP_PREFILL = "streamrec::jagged_silu_attention"
+OP_CANDIDATES = "streamrec::jagged_silu_attention_candidates"
+# Cells of |dt|: fp64 exponent (0 … 63 above 1 ms) x 4 quarter octaves.
+NUM_CELLS = 256
+# Launch shapes (bench/h200_bench.py sweeps them; see BENCHMARKS.md for the H200 figures).
+PREFILL_BLOCK_M = 128
+PREFILL_BLOCK_N = 64
+PREFILL_WARPS = 8
+PREFILL_STAGES = 2
+# (BLOCK_M, BLOCK_N, warps, stages) the kernel sweep times; the defaults above come first.
+PREFILL_LAUNCHES = (
+    (PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES),
+    (128, 64, 8, 3),
+    (128, 32, 8, 2),
+    (128, 128, 8, 2),
+    (64, 64, 4, 2),
+    (64, 32, 4, 3),
+)
+CAND_BLOCK_M = 128
+CAND_BLOCK_N = 64
+CAND_WARPS = 8
+CAND_STAGES = 2
+CAND_TARGET_PROGRAMS = 512
+# Users whose tile origins one program scans per step when it looks up its own user.
+USER_CHUNK = 256
+# Largest edge for which a cell's edge compare is exact in fp64 with room to spare.
+MAX_EDGE_MS = 2**52
+
+
+def triton_available() -> bool:
+    """True when the fused ops are registered (Triton imported)."""
+    return triton is not None
+
+
+def time_cells_exact(num_buckets: int, width: float) -> bool:
+    """Whether the cell table of the kernels reproduces ``bucketize`` for these edges:
+    every quarter-octave cell holds at most one edge (true for widths >= ln 1.25)."""
+    edges = time_bucket_edges(num_buckets, width).tolist()
+    if not edges:
+        return True
+    if edges[0] < 1 or edges[-1] >= MAX_EDGE_MS:
+        return False
+    # The cell of integer e: exponent and the two bits after the leading one.
+    cells = [(e.bit_length() - 1) * 4 + (((e << 2) >> (e.bit_length() - 1)) & 3) for e in edges]
+    return len(set(cells)) == len(cells)
+
+
+# ------------------------------------------------------------------ references
+
+
+def jagged_silu_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ts: torch.Tensor,
+    offsets: torch.Tensor,
+    pos_bias: torch.Tensor,
+    time_bias: torch.Tensor,
+    edges: torch.Tensor,
+    divisor: int,
+) -> torch.Tensor:
+    """Causal SiLU attention of each user's tokens, one dense block per user: the oracle.
+
+    q, k, v [T, H, d]; ts [T] int64; offsets [B+1]. Returns [T, H, d]. Eager only (one
+    host read of the offsets).
+    """
+    out = torch.zeros_like(q)
+    bounds = offsets.tolist()
+    for start, end in itertools.pairwise(bounds):
+        if end == start:
+            continue
+        pos = torch.arange(end - start, device=q.device)
+        rel = pos.unsqueeze(1) - pos.unsqueeze(0)  # [n, n]
+        dt = ts[start:end].unsqueeze(1) - ts[start:end].unsqueeze(0)  # [n, n]
+        bias = relative_bias(rel, dt, pos_bias, time_bias, edges).to(q.dtype)  # [H, n, n]
+        rows = slice(start, end)
+        out[rows] = silu_attention(
+            q[None, rows], k[None, rows], v[None, rows], bias[None], (rel >= 0)[None], divisor
+        )[0]
+    return out
+
+
+def jagged_candidate_attention_reference(
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    query_ts: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ts: torch.Tensor,
+    offsets: torch.Tensor,
+    pos_bias: torch.Tensor,
+    time_bias: torch.Tensor,
+    edges: torch.Tensor,
+    divisor: int,
+) -> torch.Tensor:
+    """User b's candidates (position len_b, timestamp query_ts[b]) over b's tokens + self.
+
+    qc, kc, vc [B, C, H, d]; query_ts [B]; k, v [T, H, d]; ts [T]. Returns [B, C, H, d].
+    """
+    bias0 = pos_bias[0] + time_bias[0]  # [H]
+    out = self_attention_term(qc, kc, vc, bias0, divisor)
+    bounds = offsets.tolist()
+    for b, (start, end) in enumerate(itertools.pairwise(bounds)):
+        if end == start:
+            continue
+        rel = (end - start - torch.arange(end - start, device=qc.device)).view(1, -1)  # [1, n]
+        dt = (query_ts[b] - ts[start:end]).view(1, -1)  # [1, n]
+        bias = relative_bias(rel, dt, pos_bias, time_bias, edges).to(qc.dtype)  # [H, 1, n]
+        mask = torch.ones(1, 1, end - start, dtype=torch.bool, device=qc.device)
+        hist = silu_attention(
+            qc[b : b + 1], k[None, start:end], v[None, start:end], bias[None], mask, divisor
+        )
+        out[b] = out[b] + hist[0]
+    return out
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int):
+    """Eager-side validation: a compiled kernel would silently read garbage instead."""
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ModelError(
+            f"prefill attention wants q, k, v [T, H, d] alike, got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    head_dim = q.shape[-1]
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ModelError(f"prefill attention needs a power-of-two head_dim >= 16, got {head_dim}")
+    if block_m % block_n:
+        raise ModelError(f"BLOCK_M={block_m} must be a multiple of BLOCK_N={block_n}")
+
+
+def _heads_strided(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last two axes are dense [H, d] (the projection's views are),
+    else a contiguous copy: the kernels take the other strides as arguments."""
+    if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+        return x
+    return x.contiguous()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _silu_scaled(s, inv_divisor, FAST: tl.constexpr):
+        """silu(s) / N in fp32; FAST: one tanh.approx (silu(s) = c + c·tanh(s/2) with c = s/2),
+        below the bf16 rounding of the weights that follows."""
+        if FAST:
+            half = s * 0.5
+            t = tl.inline_asm_elementwise(
+                "tanh.approx.f32 $0, $1;", "=f,f", [half], dtype=tl.float32, is_pure=True,
+                pack=1,
+            )  # fmt: skip
+            c = (half * inv_divisor).to(tl.float32)
+            return c + c * t
+        else:
+            return (s * tl.sigmoid(s) * inv_divisor).to(tl.float32)
+
+    @triton.jit
+    def _scores(q, k, IEEE: tl.constexpr):
+        """q [M, D] · k [N, D]ᵀ in fp32 (IEEE fp32 products for fp32 inputs, no TF32)."""
+        if IEEE:
+            return tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            return tl.dot(q, tl.trans(k))
+
+    @triton.jit
+    def _accumulate(acc, w, v, IEEE: tl.constexpr):
+        """acc + w [M, N] (fp32) · v [N, D]; low-precision v: w rounded to v's dtype once."""
+        if IEEE:
+            return acc + tl.dot(w, v.to(tl.float32), input_precision="ieee")
+        else:
+            return acc + tl.dot(w.to(v.dtype), v)
+
+    @triton.jit
+    def _rab(rel, dt, h, pos_bias_ptr, edge_ptr, tb_ptr, H: tl.constexpr, NUM_POS: tl.constexpr,
+             NUM_CELLS: tl.constexpr):  # fmt: skip
+        """pos_bias[i - j] + time_bias[bucket(|dt|)] of head h, fp32, any shape.
+
+        rel int32; dt fp64 (an exact integer number of ms). The cell of |dt| is read from
+        its fp64 bits (exponent and two mantissa bits: no rounding, the sign masked off);
+        its table entry holds the one edge inside it and the bias below/above that edge.
+        """
+        rel = tl.minimum(tl.maximum(rel, 0), NUM_POS - 1)
+        p_bias = tl.load(pos_bias_ptr + rel * H + h).to(tl.float32)
+        bits = dt.to(tl.int64, bitcast=True)
+        cell = ((bits >> 50) & 0x1FFF).to(tl.int32) - 4092  # 4092 = 1023 (exponent bias) * 4
+        cell = tl.minimum(tl.maximum(cell, 0), NUM_CELLS - 1)
+        edge = tl.load(edge_ptr + cell)  # fp64, huge when the cell holds no edge
+        pair = tl.load(tb_ptr + h * NUM_CELLS + cell)  # int64: two fp32 (below, above)
+        below = pair.to(tl.int32).to(tl.float32, bitcast=True)
+        above = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        return p_bias + tl.where(tl.abs(dt) >= edge, above, below)
+
+    @triton.jit
+    def _time_table_kernel(
+        edges_ptr,  # [NUM_TIME - 1] int64
+        time_bias_ptr,  # [NUM_TIME, H]
+        edge_out_ptr,  # [NUM_CELLS] fp64
+        pair_out_ptr,  # [H, NUM_CELLS] int64
+        H: tl.constexpr,
+        NUM_TIME: tl.constexpr,
+        NE_P2: tl.constexpr,
+        NUM_CELLS: tl.constexpr,
+    ):
+        """Per cell [2^o·(1 + f/4), 2^o·(1 + (f+1)/4)): buckets below it, its edge, biases."""
+        h = tl.program_id(0)
+        c = tl.arange(0, NUM_CELLS)
+        octave = (c // 4).to(tl.int64)
+        pow2 = ((octave + 1023) << 52).to(tl.float64, bitcast=True)  # 2^octave, exact
+        lower = pow2 * (1.0 + (c % 4).to(tl.float64) * 0.25)  # [NC], exact
+        e = tl.arange(0, NE_P2)
+        emask = e < NUM_TIME - 1
+        edges = tl.load(edges_ptr + e, mask=emask, other=0).to(tl.float64)  # exact < 2^53
+        below = (edges[None, :] < lower[:, None]) & emask[None, :]  # [NC, NE_P2]
+        base = tl.sum(below.to(tl.int32), 1)  # [NC] buckets entirely below the cell
+        has_edge = base < NUM_TIME - 1
+        edge = tl.load(edges_ptr + base, mask=has_edge, other=0).to(tl.float64)
+        edge = tl.where(has_edge, edge, 1e300)
+        lo = tl.load(time_bias_ptr + base * H + h).to(tl.float32)
+        hi = tl.load(time_bias_ptr + tl.minimum(base + 1, NUM_TIME - 1) * H + h).to(tl.float32)
+        pair = lo.to(tl.uint32, bitcast=True).to(tl.int64) | (
+            hi.to(tl.uint32, bitcast=True).to(tl.int64) << 32
+        )
+        tl.store(pair_out_ptr + h * NUM_CELLS + c, pair)
+        tl.store(edge_out_ptr + c, edge, mask=(c >= 0) & (h == 0))
+
+    @triton.jit
+    def _key_tile(k_ptr, v_ptr, ts_ptr, start, cols, end, h, stride_k, stride_v,
+                  D: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+        """K, V [BN, D] and fp64 timestamps [BN] of one user's keys ``cols``; with MASKED,
+        keys at or past ``end`` read as zeros (a zero V row adds nothing)."""
+        tok = (start + cols).to(tl.int64)
+        kv = tok[:, None] * stride_k + h * D + tl.arange(0, D)[None, :]
+        vv = tok[:, None] * stride_v + h * D + tl.arange(0, D)[None, :]
+        if MASKED:
+            kmask = cols < end
+            k = tl.load(k_ptr + kv, mask=kmask[:, None], other=0.0)
+            v = tl.load(v_ptr + vv, mask=kmask[:, None], other=0.0)
+            ts_k = tl.load(ts_ptr + tok, mask=kmask, other=0).to(tl.float64)
+        else:
+            k = tl.load(k_ptr + kv)
+            v = tl.load(v_ptr + vv)
+            ts_k = tl.load(ts_ptr + tok).to(tl.float64)
+        return k, v, ts_k
+
+    @triton.jit
+    def _prefill_tile(
+        acc, q, rows, ts_q, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_bias_ptr, edge_ptr,
+        tb_ptr, stride_k, stride_v, scale, inv_divisor, H: tl.constexpr, D: tl.constexpr,
+        NUM_POS: tl.constexpr, NUM_CELLS: tl.constexpr, BLOCK_N: tl.constexpr,
+        DIAGONAL: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
+    ):  # fmt: skip
+        """acc + the contribution of keys n0 … n0+BLOCK_N-1 to the query tile."""
+        cols = n0 + tl.arange(0, BLOCK_N)  # [BN] positions in the user
+        # (diagonal tiles: keys past the user's end read as zeros and are masked below)
+        k, v, ts_k = _key_tile(k_ptr, v_ptr, ts_ptr, start, cols, n, h, stride_k, stride_v, D,
+                               DIAGONAL)  # fmt: skip
+        s = _scores(q, k, IEEE)  # [BM, BN] fp32
+        bias = _rab(rows[:, None] - cols[None, :], ts_q[:, None] - ts_k[None, :], h,
+                    pos_bias_ptr, edge_ptr, tb_ptr, H, NUM_POS, NUM_CELLS)  # fmt: skip
+        w = _silu_scaled((s * scale).to(tl.float32) + bias, inv_divisor, FAST)
+        if DIAGONAL:
+            w = tl.where(cols[None, :] <= rows[:, None], w, 0.0)
+        return _accumulate(acc, w, v, IEEE)
+
+    @triton.jit
+    def _prefill_kernel(
+        q_ptr,  # [T, H, D], rows stride_q apart
+        k_ptr,  # [T, H, D]
+        v_ptr,  # [T, H, D]
+        ts_ptr,  # [T] int64
+        offsets_ptr,  # [B + 1] int64
+        pos_bias_ptr,  # [NUM_POS, H]
+        edge_ptr,  # [NUM_CELLS] fp64
+        tb_ptr,  # [H, NUM_CELLS] int64
+        out_ptr,  # [T, H, D] contiguous
+        num_users,
+        stride_q,
+        stride_k,
+        stride_v,
+        scale,
+        inv_divisor,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        NUM_POS: tl.constexpr,
+        NUM_CELLS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        USER_CHUNK: tl.constexpr,
+        IEEE: tl.constexpr,
+        FAST: tl.constexpr,
+    ):
+        """One query tile of one user x one head, causal over that user's keys."""
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        # The user of this program: the last b whose first tile id offsets[b]//BM + b <= pid.
+        count = 0
+        for c0 in range(0, num_users, USER_CHUNK):
+            b = c0 + tl.arange(0, USER_CHUNK)
+            bmask = b < num_users
+            first = tl.load(offsets_ptr + b, mask=bmask, other=0) // BLOCK_M + b
+            count += tl.sum(((first <= pid) & bmask).to(tl.int32), 0)
+        user = count - 1
+        start = tl.load(offsets_ptr + user)
+        n = (tl.load(offsets_ptr + user + 1) - start).to(tl.int32)
+        local = pid - (start // BLOCK_M + user).to(tl.int32)
+        n_tiles = (n + BLOCK_M - 1) // BLOCK_M
+        if local < n_tiles:
+            m0 = (n_tiles - 1 - local) * BLOCK_M  # heaviest tile of the user first
+            rows = m0 + tl.arange(0, BLOCK_M)  # [BM] positions in the user
+            rmask = rows < n
+            tok = (start + rows).to(tl.int64)
+            offs_d = tl.arange(0, D)
+            q = tl.load(q_ptr + tok[:, None] * stride_q + h * D + offs_d[None, :],
+                        mask=rmask[:, None], other=0.0)  # fmt: skip
+            ts_q = tl.load(ts_ptr + tok, mask=rmask, other=0).to(tl.float64)
+            acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+            for n0 in range(0, m0, BLOCK_N):  # below the diagonal: no mask
+                acc = _prefill_tile(
+                    acc, q, rows, ts_q, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_bias_ptr,
+                    edge_ptr, tb_ptr, stride_k, stride_v, scale, inv_divisor, H, D, NUM_POS,
+                    NUM_CELLS, BLOCK_N, False, IEEE, FAST,
+                )  # fmt: skip
+            for n0 in range(m0, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the diagonal
+                acc = _prefill_tile(
+                    acc, q, rows, ts_q, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_bias_ptr,
+                    edge_ptr, tb_ptr, stride_k, stride_v, scale, inv_divisor, H, D, NUM_POS,
+                    NUM_CELLS, BLOCK_N, True, IEEE, FAST,
+                )  # fmt: skip
+            out = out_ptr + (tok[:, None] * H + h) * D + offs_d[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+    @triton.jit
+    def _candidate_kernel(
+        qc_ptr,  # [B, C, H, D], strides stride_cb, stride_cc
+        kc_ptr,  # [B, C, H, D], same strides
+        vc_ptr,  # [B, C, H, D], same strides
+        query_ts_ptr,  # [B] int64
+        k_ptr,  # [T, H, D]
+        v_ptr,  # [T, H, D]
+        ts_ptr,  # [T]
+        offsets_ptr,  # [B + 1]
+        pos_bias_ptr,
+        edge_ptr,
+        tb_ptr,
+        out_ptr,  # [B, C, H, D] contiguous (fp32 and zeroed when ATOMIC)
+        num_cands,
+        m_tiles,
+        keys_per_split,
+        stride_cb,
+        stride_cc,
+        stride_k,
+        stride_v,
+        scale,
+        inv_divisor,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        NUM_POS: tl.constexpr,
+        NUM_CELLS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        FAST: tl.constexpr,
+        ATOMIC: tl.constexpr,
+    ):
+        """A tile of one user's candidates x one head x one key range (+ self in split 0)."""
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        split = tl.program_id(2)
+        user = (pid // m_tiles).to(tl.int64)
+        tile = pid % m_tiles
+        start = tl.load(offsets_ptr + user)
+        n = (tl.load(offsets_ptr + user + 1) - start).to(tl.int32)
+        k_start = split * keys_per_split
+        k_end = tl.minimum(n, k_start + keys_per_split)
+        if (k_start < k_end) | (split == 0):
+            offs_d = tl.arange(0, D)
+            cand = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+            cmask = cand < num_cands
+            crow = user * stride_cb + cand.to(tl.int64) * stride_cc + h * D  # [BM]
+            q = tl.load(qc_ptr + crow[:, None] + offs_d[None, :], mask=cmask[:, None], other=0.0)
+            ts_q = tl.load(query_ts_ptr + user).to(tl.float64)
+            acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+            for n0 in range(k_start, k_end, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                k, v, ts_k = _key_tile(k_ptr, v_ptr, ts_ptr, start, cols, k_end, h, stride_k,
+                                       stride_v, D, True)  # fmt: skip
+                s = _scores(q, k, IEEE)  # [BM, BN]
+                bias = _rab(n - cols, ts_q - ts_k, h, pos_bias_ptr, edge_ptr, tb_ptr, H, NUM_POS,
+                            NUM_CELLS)  # fmt: skip
+                w = _silu_scaled((s * scale).to(tl.float32) + bias[None, :], inv_divisor, FAST)
+                acc = _accumulate(acc, w, v, IEEE)  # keys past k_end: V rows are zero
+            if split == 0:  # the candidate's own key (i - j = 0, dt = 0)
+                kc = tl.load(kc_ptr + crow[:, None] + offs_d[None, :], mask=cmask[:, None],
+                             other=0.0).to(tl.float32)  # fmt: skip
+                vc = tl.load(vc_ptr + crow[:, None] + offs_d[None, :], mask=cmask[:, None],
+                             other=0.0).to(tl.float32)  # fmt: skip
+                zero = tl.zeros((BLOCK_M,), dtype=tl.int32)
+                bias0 = _rab(zero, zero.to(tl.float64), h, pos_bias_ptr, edge_ptr, tb_ptr, H,
+                             NUM_POS, NUM_CELLS)  # fmt: skip
+                s0 = (tl.sum(q.to(tl.float32) * kc, 1) * scale).to(tl.float32) + bias0
+                acc += _silu_scaled(s0, inv_divisor, False)[:, None] * vc
+            out = out_ptr + ((user * num_cands + cand) * H + h)[:, None] * D + offs_d[None, :]
+            if ATOMIC:
+                tl.atomic_add(out, acc, mask=cmask[:, None])
+            else:
+                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=cmask[:, None])
+
+    def time_table(edges: torch.Tensor, time_bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The kernels' cell table: edge [NUM_CELLS] fp64, bias pairs [H, NUM_CELLS] int64."""
+        num_time, num_heads = time_bias.shape
+        edge = torch.empty(NUM_CELLS, dtype=torch.float64, device=time_bias.device)
+        pair = torch.empty(num_heads, NUM_CELLS, dtype=torch.int64, device=time_bias.device)
+        torch.library.wrap_triton(_time_table_kernel)[(num_heads,)](
+            edges, time_bias, edge, pair, H=num_heads, NUM_TIME=num_time,
+            NE_P2=triton.next_power_of_2(max(2, num_time - 1)), NUM_CELLS=NUM_CELLS,
+        )  # fmt: skip
+        return edge, pair
+
+    def launch_prefill(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ts: torch.Tensor,
+        offsets: torch.Tensor,
+        pos_bias: torch.Tensor,
+        time_bias: torch.Tensor,
+        edges: torch.Tensor,
+        divisor: int,
+        block_m: int = PREFILL_BLOCK_M,
+        block_n: int = PREFILL_BLOCK_N,
+        num_warps: int = PREFILL_WARPS,
+        num_stages: int = PREFILL_STAGES,
+        fast: bool = True,
+    ) -> torch.Tensor:
+        """The prefill kernel with an explicit launch shape (the op uses the defaults;
+        bench/h200_bench.py sweeps them). Returns [T, H, d] in q's dtype."""
+        q, k, v = _heads_strided(q), _heads_strided(k), _heads_strided(v)
+        num_tokens, num_heads, head_dim = q.shape
+        num_users = offsets.shape[0] - 1
+        edge, pair = time_table(edges, time_bias)
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        grid = (num_tokens // block_m + num_users + 1, num_heads)
+        torch.library.wrap_triton(_prefill_kernel)[grid](
+            q, k, v, ts, offsets, pos_bias, edge, pair, out, num_users, q.stride(0),
+            k.stride(0), v.stride(0), 1.0 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads,
+            D=head_dim, NUM_POS=pos_bias.shape[0], NUM_CELLS=NUM_CELLS, BLOCK_M=block_m,
+            BLOCK_N=block_n, USER_CHUNK=USER_CHUNK, IEEE=q.dtype == torch.float32,
+            FAST=fast_silu_allowed(fast, q), num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+        return out
+
+    def launch_candidates(
+        qc: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        query_ts: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ts: torch.Tensor,
+        offsets: torch.Tensor,
+        pos_bias: torch.Tensor,
+        time_bias: torch.Tensor,
+        edges: torch.Tensor,
+        divisor: int,
+        block_m: int = CAND_BLOCK_M,
+        block_n: int = CAND_BLOCK_N,
+        num_warps: int = CAND_WARPS,
+        num_stages: int = CAND_STAGES,
+        target_programs: int = CAND_TARGET_PROGRAMS,
+        fast: bool = True,
+    ) -> torch.Tensor:
+        """The candidate kernel with an explicit launch shape. Returns [B, C, H, d]."""
+        qc, kc, vc = _heads_strided(qc), _heads_strided(kc), _heads_strided(vc)
+        if kc.stride() != qc.stride() or vc.stride() != qc.stride():
+            qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
+        k, v = _heads_strided(k), _heads_strided(v)
+        num_users, num_cands, num_heads, head_dim = qc.shape
+        edge, pair = time_table(edges, time_bias)
+        m_tiles = (num_cands + block_m - 1) // block_m
+        # Keys are cut so that about target_programs run; a user never has more than
+        # NUM_POS (= max_seq_len) keys, so splits past its length return at once.
+        span = pos_bias.shape[0]
+        programs = num_users * m_tiles * num_heads
+        wanted = -(-target_programs // programs)
+        splits = torch.sym_max(1, torch.sym_min((span + block_n - 1) // block_n, wanted))
+        per_split = (span + splits - 1) // splits
+        per_split = (per_split + block_n - 1) // block_n * block_n
+        atomic = not isinstance(splits, int) or splits > 1
+        dtype = torch.float32 if atomic else qc.dtype
+        alloc = torch.zeros if atomic else torch.empty
+        out = alloc(qc.shape, dtype=dtype, device=qc.device)
+        grid = (num_users * m_tiles, num_heads, splits)
+        torch.library.wrap_triton(_candidate_kernel)[grid](
+            qc, kc, vc, query_ts, k, v, ts, offsets, pos_bias, edge, pair, out, num_cands,
+            m_tiles, per_split, qc.stride(0), qc.stride(1), k.stride(0), v.stride(0),
+            1.0 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads, D=head_dim,
+            NUM_POS=pos_bias.shape[0], NUM_CELLS=NUM_CELLS, BLOCK_M=block_m, BLOCK_N=block_n,
+            IEEE=qc.dtype == torch.float32, FAST=fast_silu_allowed(fast, qc), ATOMIC=atomic,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+        return out.to(qc.dtype)
+
+    @torch.library.triton_op(OP_PREFILL, mutates_args={})
+    def jagged_silu_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ts: torch.Tensor,
+        offsets: torch.Tensor,
+        pos_bias: torch.Tensor,
+        time_bias: torch.Tensor,
+        edges: torch.Tensor,
+        divisor: int,
+    ) -> torch.Tensor:
+        """Causal SiLU attention of every user's tokens (q, k, v [T, H, d] jagged)."""
+        return launch_prefill(q, k, v, ts, offsets, pos_bias, time_bias, edges, divisor)
+
+    @torch.library.triton_op(OP_CANDIDATES, mutates_args={})
+    def jagged_silu_attention_candidates(
+        qc: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        query_ts: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ts: torch.Tensor,
+        offsets: torch.Tensor,
+        pos_bias: torch.Tensor,
+        time_bias: torch.Tensor,
+        edges: torch.Tensor,
+        divisor: int,
+    ) -> torch.Tensor:
+        """C candidates per user (qc [B, C, H, d]) over the user's jagged K/V and self."""
+        return launch_candidates(
+            qc, kc, vc, query_ts, k, v, ts, offsets, pos_bias, time_bias, edges, divisor
+        )
+
+
+def fused_prefill_enabled(
+    backend: str, x: torch.Tensor, head_dim: int, num_time_buckets: int, bucket_width: float
+) -> bool:
+    """Whether prefill of tokens on x's device runs the fused op (same switch as the
+    paged ops: "auto" when it can run, "triton" insists, "torch" never), and the cell
+    table reproduces the model's time buckets exactly."""
+    if not fused_attention_enabled(backend, x.new_empty((0, head_dim))):
+        return False
+    if time_cells_exact(num_time_buckets, bucket_width):
+        return True
+    if backend == "triton":
+        raise ModelError(
+            f"the fused prefill needs time buckets at least ln(1.25) wide, got "
+            f"time_bucket_width={bucket_width} with {num_time_buckets} buckets"
+        )
+    return False
+
+
+def fused_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ts: torch.Tensor,
+    offsets: torch.Tensor,
+    pos_bias: torch.Tensor,
+    time_bias: torch.Tensor,
+    edges: torch.Tensor,
+    divisor: int,
+) -> torch.Tensor:
+    """Jagged causal attention (q, k, v [T, H, d]; offsets [B+1]) through the fused op."""
+    check_inputs(q, k, v, PREFILL_BLOCK_M, PREFILL_BLOCK_N)
+    return torch.ops.streamrec.jagged_silu_attention(
+        q, k, v, ts, offsets, pos_bias, time_bias, edges, divisor
+    )
+
+
+def fused_prefill_candidates(
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    query_ts: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ts: torch.Tensor,
+    offsets: torch.Tensor,
+    pos_bias: torch.Tensor,
+    time_bias: torch.Tensor,
+    edges: torch.Tensor,
+    divisor: int,
+) -> torch.Tensor:
+    """Candidates (qc, kc, vc [B, C, H, d]) over jagged K/V [T, H, d] and themselves."""
+    check_inputs(k, k, v, CAND_BLOCK_M, CAND_BLOCK_N)
+    if qc.dim() != 4 or qc.shape != kc.shape or qc.shape != vc.shape or qc.shape[2:] != k.shape[1:]:
+        raise ModelError(
+            f"candidate attention wants qc, kc, vc [B, C, H, d] matching k [T, H, d], got "
+            f"{tuple(qc.shape)}, {tuple(kc.shape)}, {tuple(vc.shape)}, {tuple(k.shape)}"
+        )
+    return torch.ops.streamrec.jagged_silu_attention_candidates(
+        qc, kc, vc, query_ts, k, v, ts, offsets, pos_bias, time_bias, edges, divisor
+    )
