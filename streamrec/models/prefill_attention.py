@@ -72,11 +72,15 @@ PREFILL_LAUNCHES = (
     (64, 64, 4, 2),
     (64, 32, 4, 3),
 )
+# fp32 inputs (IEEE fp32 dots on CUDA cores, for exactness tests): tiles that fit in
+# shared memory at head_dim 128.
+FP32_LAUNCH = (64, 32, 4, 2)
 CAND_BLOCK_M = 128
 CAND_BLOCK_N = 64
 CAND_WARPS = 8
 CAND_STAGES = 2
 CAND_TARGET_PROGRAMS = 512
+CAND_LAUNCH = (CAND_BLOCK_M, CAND_BLOCK_N, CAND_WARPS, CAND_STAGES)
 # Users whose tile origins one program scans per step when it looks up its own user.
 USER_CHUNK = 256
 # Largest edge for which a cell's edge compare is exact in fp64 with room to spare.
@@ -196,19 +200,17 @@ def _heads_strided(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _silu_scaled(s, inv_divisor, FAST: tl.constexpr):
-        """silu(s) / N in fp32; FAST: one tanh.approx (silu(s) = c + c·tanh(s/2) with c = s/2),
-        below the bf16 rounding of the weights that follows."""
+    def _silu_half(x, FAST: tl.constexpr):
+        """silu(2x) in fp32, from half the pre-activation (the tables hold rab / 2): with
+        FAST one tanh.approx, silu(2x) = x + x·tanh(x), whose 2^-11 relative error is below
+        the bf16 rounding of the weights that follows; else the exact x·2·sigmoid(2x)."""
         if FAST:
-            half = s * 0.5
             t = tl.inline_asm_elementwise(
-                "tanh.approx.f32 $0, $1;", "=f,f", [half], dtype=tl.float32, is_pure=True,
-                pack=1,
-            )  # fmt: skip
-            c = (half * inv_divisor).to(tl.float32)
-            return c + c * t
+                "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+            )
+            return x + x * t
         else:
-            return (s * tl.sigmoid(s) * inv_divisor).to(tl.float32)
+            return (2.0 * x * tl.sigmoid(2.0 * x)).to(tl.float32)
 
     @triton.jit
     def _scores(q, k, IEEE: tl.constexpr):
@@ -227,38 +229,49 @@ if triton is not None:
             return acc + tl.dot(w.to(v.dtype), v)
 
     @triton.jit
-    def _rab(rel, dt, h, pos_bias_ptr, edge_ptr, tb_ptr, H: tl.constexpr, NUM_POS: tl.constexpr,
-             NUM_CELLS: tl.constexpr):  # fmt: skip
-        """pos_bias[i - j] + time_bias[bucket(|dt|)] of head h, fp32, any shape.
+    def _half_rab(rel, dt, pos_row, edge_ptr, pair_row, NUM_POS: tl.constexpr,
+                  NUM_CELLS: tl.constexpr):  # fmt: skip
+        """rab(i, j) / 2 of one head, fp32, any shape: pos_bias[i - j] + time_bias[bucket].
 
-        rel int32; dt fp64 (an exact integer number of ms). The cell of |dt| is read from
-        its fp64 bits (exponent and two mantissa bits: no rounding, the sign masked off);
-        its table entry holds the one edge inside it and the bias below/above that edge.
+        rel int32; dt fp64 (an exact integer number of ms); pos_row, pair_row: the head's
+        rows of the tables (``bias_tables``). The cell of |dt| is read from its fp64 bits
+        (exponent and two mantissa bits: no rounding, the sign masked off); its entry holds
+        the one edge inside the cell and the bias below and above that edge. Halving is
+        exact, so 2 x this is the reference's fp32 sum bit for bit.
         """
         rel = tl.minimum(tl.maximum(rel, 0), NUM_POS - 1)
-        p_bias = tl.load(pos_bias_ptr + rel * H + h).to(tl.float32)
+        p_bias = tl.load(pos_row + rel)  # contiguous per head: one line per warp gather
         bits = dt.to(tl.int64, bitcast=True)
         cell = ((bits >> 50) & 0x1FFF).to(tl.int32) - 4092  # 4092 = 1023 (exponent bias) * 4
         cell = tl.minimum(tl.maximum(cell, 0), NUM_CELLS - 1)
         edge = tl.load(edge_ptr + cell)  # fp64, huge when the cell holds no edge
-        pair = tl.load(tb_ptr + h * NUM_CELLS + cell)  # int64: two fp32 (below, above)
+        pair = tl.load(pair_row + cell)  # int64: two fp32 (below, above the edge)
         below = pair.to(tl.int32).to(tl.float32, bitcast=True)
         above = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         return p_bias + tl.where(tl.abs(dt) >= edge, above, below)
 
     @triton.jit
-    def _time_table_kernel(
+    def _bias_table_kernel(
+        pos_bias_ptr,  # [NUM_POS, H]
         edges_ptr,  # [NUM_TIME - 1] int64
         time_bias_ptr,  # [NUM_TIME, H]
+        pos_out_ptr,  # [H, NUM_POS] fp32: pos_bias / 2, transposed
         edge_out_ptr,  # [NUM_CELLS] fp64
-        pair_out_ptr,  # [H, NUM_CELLS] int64
+        pair_out_ptr,  # [H, NUM_CELLS] int64: time_bias / 2 below and above the cell's edge
         H: tl.constexpr,
+        NUM_POS: tl.constexpr,
         NUM_TIME: tl.constexpr,
         NE_P2: tl.constexpr,
         NUM_CELLS: tl.constexpr,
+        CHUNK: tl.constexpr,
     ):
-        """Per cell [2^o·(1 + f/4), 2^o·(1 + (f+1)/4)): buckets below it, its edge, biases."""
+        """One head's rows; cell c covers [2^o·(1 + f/4), 2^o·(1 + (f+1)/4)), c = 4o + f."""
         h = tl.program_id(0)
+        for p0 in range(0, NUM_POS, CHUNK):
+            p = p0 + tl.arange(0, CHUNK)
+            pmask = p < NUM_POS
+            row = tl.load(pos_bias_ptr + p * H + h, mask=pmask, other=0.0).to(tl.float32)
+            tl.store(pos_out_ptr + h * NUM_POS + p, row * 0.5, mask=pmask)
         c = tl.arange(0, NUM_CELLS)
         octave = (c // 4).to(tl.int64)
         pow2 = ((octave + 1023) << 52).to(tl.float64, bitcast=True)  # 2^octave, exact
@@ -271,10 +284,10 @@ if triton is not None:
         has_edge = base < NUM_TIME - 1
         edge = tl.load(edges_ptr + base, mask=has_edge, other=0).to(tl.float64)
         edge = tl.where(has_edge, edge, 1e300)
-        lo = tl.load(time_bias_ptr + base * H + h).to(tl.float32)
+        lo = tl.load(time_bias_ptr + base * H + h).to(tl.float32) * 0.5
         hi = tl.load(time_bias_ptr + tl.minimum(base + 1, NUM_TIME - 1) * H + h).to(tl.float32)
         pair = lo.to(tl.uint32, bitcast=True).to(tl.int64) | (
-            hi.to(tl.uint32, bitcast=True).to(tl.int64) << 32
+            (hi * 0.5).to(tl.uint32, bitcast=True).to(tl.int64) << 32
         )
         tl.store(pair_out_ptr + h * NUM_CELLS + c, pair)
         tl.store(edge_out_ptr + c, edge, mask=(c >= 0) & (h == 0))
@@ -300,20 +313,20 @@ if triton is not None:
 
     @triton.jit
     def _prefill_tile(
-        acc, q, rows, ts_q, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_bias_ptr, edge_ptr,
-        tb_ptr, stride_k, stride_v, scale, inv_divisor, H: tl.constexpr, D: tl.constexpr,
-        NUM_POS: tl.constexpr, NUM_CELLS: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIAGONAL: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
+        acc, q, rows, ts_q, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_row, edge_ptr, pair_row,
+        stride_k, stride_v, half_scale, D: tl.constexpr, NUM_POS: tl.constexpr,
+        NUM_CELLS: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr,
+        IEEE: tl.constexpr, FAST: tl.constexpr,
     ):  # fmt: skip
-        """acc + the contribution of keys n0 … n0+BLOCK_N-1 to the query tile."""
+        """acc + Σ_j silu(q·k_j/√d + rab) v_j over keys n0 … n0+BLOCK_N-1 (times N)."""
         cols = n0 + tl.arange(0, BLOCK_N)  # [BN] positions in the user
         # (diagonal tiles: keys past the user's end read as zeros and are masked below)
         k, v, ts_k = _key_tile(k_ptr, v_ptr, ts_ptr, start, cols, n, h, stride_k, stride_v, D,
                                DIAGONAL)  # fmt: skip
         s = _scores(q, k, IEEE)  # [BM, BN] fp32
-        bias = _rab(rows[:, None] - cols[None, :], ts_q[:, None] - ts_k[None, :], h,
-                    pos_bias_ptr, edge_ptr, tb_ptr, H, NUM_POS, NUM_CELLS)  # fmt: skip
-        w = _silu_scaled((s * scale).to(tl.float32) + bias, inv_divisor, FAST)
+        bias = _half_rab(rows[:, None] - cols[None, :], ts_q[:, None] - ts_k[None, :], pos_row,
+                         edge_ptr, pair_row, NUM_POS, NUM_CELLS)  # fmt: skip
+        w = _silu_half((s * half_scale).to(tl.float32) + bias, FAST)
         if DIAGONAL:
             w = tl.where(cols[None, :] <= rows[:, None], w, 0.0)
         return _accumulate(acc, w, v, IEEE)
@@ -325,15 +338,15 @@ if triton is not None:
         v_ptr,  # [T, H, D]
         ts_ptr,  # [T] int64
         offsets_ptr,  # [B + 1] int64
-        pos_bias_ptr,  # [NUM_POS, H]
+        pos_ptr,  # [H, NUM_POS] fp32 (``bias_tables``)
         edge_ptr,  # [NUM_CELLS] fp64
-        tb_ptr,  # [H, NUM_CELLS] int64
+        pair_ptr,  # [H, NUM_CELLS] int64
         out_ptr,  # [T, H, D] contiguous
         num_users,
         stride_q,
         stride_k,
         stride_v,
-        scale,
+        half_scale,
         inv_divisor,
         H: tl.constexpr,
         D: tl.constexpr,
@@ -369,21 +382,24 @@ if triton is not None:
             q = tl.load(q_ptr + tok[:, None] * stride_q + h * D + offs_d[None, :],
                         mask=rmask[:, None], other=0.0)  # fmt: skip
             ts_q = tl.load(ts_ptr + tok, mask=rmask, other=0).to(tl.float64)
+            pos_row = pos_ptr + h * NUM_POS
+            pair_row = pair_ptr + h * NUM_CELLS
             acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
             for n0 in range(0, m0, BLOCK_N):  # below the diagonal: no mask
                 acc = _prefill_tile(
-                    acc, q, rows, ts_q, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_bias_ptr,
-                    edge_ptr, tb_ptr, stride_k, stride_v, scale, inv_divisor, H, D, NUM_POS,
-                    NUM_CELLS, BLOCK_N, False, IEEE, FAST,
+                    acc, q, rows, ts_q, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_row, edge_ptr,
+                    pair_row, stride_k, stride_v, half_scale, D, NUM_POS, NUM_CELLS, BLOCK_N,
+                    False, IEEE, FAST,
                 )  # fmt: skip
             for n0 in range(m0, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the diagonal
                 acc = _prefill_tile(
-                    acc, q, rows, ts_q, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_bias_ptr,
-                    edge_ptr, tb_ptr, stride_k, stride_v, scale, inv_divisor, H, D, NUM_POS,
-                    NUM_CELLS, BLOCK_N, True, IEEE, FAST,
+                    acc, q, rows, ts_q, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_row, edge_ptr,
+                    pair_row, stride_k, stride_v, half_scale, D, NUM_POS, NUM_CELLS, BLOCK_N,
+                    True, IEEE, FAST,
                 )  # fmt: skip
             out = out_ptr + (tok[:, None] * H + h) * D + offs_d[None, :]
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+            acc = (acc * inv_divisor).to(out_ptr.dtype.element_ty)  # the constant N, once
+            tl.store(out, acc, mask=rmask[:, None])
 
     @triton.jit
     def _candidate_kernel(
@@ -395,9 +411,9 @@ if triton is not None:
         v_ptr,  # [T, H, D]
         ts_ptr,  # [T]
         offsets_ptr,  # [B + 1]
-        pos_bias_ptr,
-        edge_ptr,
-        tb_ptr,
+        pos_ptr,  # [H, NUM_POS] fp32 (``bias_tables``)
+        edge_ptr,  # [NUM_CELLS] fp64
+        pair_ptr,  # [H, NUM_CELLS] int64
         out_ptr,  # [B, C, H, D] contiguous (fp32 and zeroed when ATOMIC)
         num_cands,
         m_tiles,
@@ -406,7 +422,7 @@ if triton is not None:
         stride_cc,
         stride_k,
         stride_v,
-        scale,
+        half_scale,
         inv_divisor,
         H: tl.constexpr,
         D: tl.constexpr,
@@ -435,15 +451,17 @@ if triton is not None:
             crow = user * stride_cb + cand.to(tl.int64) * stride_cc + h * D  # [BM]
             q = tl.load(qc_ptr + crow[:, None] + offs_d[None, :], mask=cmask[:, None], other=0.0)
             ts_q = tl.load(query_ts_ptr + user).to(tl.float64)
+            pos_row = pos_ptr + h * NUM_POS
+            pair_row = pair_ptr + h * NUM_CELLS
             acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
             for n0 in range(k_start, k_end, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 k, v, ts_k = _key_tile(k_ptr, v_ptr, ts_ptr, start, cols, k_end, h, stride_k,
                                        stride_v, D, True)  # fmt: skip
                 s = _scores(q, k, IEEE)  # [BM, BN]
-                bias = _rab(n - cols, ts_q - ts_k, h, pos_bias_ptr, edge_ptr, tb_ptr, H, NUM_POS,
-                            NUM_CELLS)  # fmt: skip
-                w = _silu_scaled((s * scale).to(tl.float32) + bias[None, :], inv_divisor, FAST)
+                bias = _half_rab(n - cols, ts_q - ts_k, pos_row, edge_ptr, pair_row, NUM_POS,
+                                 NUM_CELLS)  # fmt: skip
+                w = _silu_half((s * half_scale).to(tl.float32) + bias[None, :], FAST)
                 acc = _accumulate(acc, w, v, IEEE)  # keys past k_end: V rows are zero
             if split == 0:  # the candidate's own key (i - j = 0, dt = 0)
                 kc = tl.load(kc_ptr + crow[:, None] + offs_d[None, :], mask=cmask[:, None],
@@ -451,26 +469,35 @@ if triton is not None:
                 vc = tl.load(vc_ptr + crow[:, None] + offs_d[None, :], mask=cmask[:, None],
                              other=0.0).to(tl.float32)  # fmt: skip
                 zero = tl.zeros((BLOCK_M,), dtype=tl.int32)
-                bias0 = _rab(zero, zero.to(tl.float64), h, pos_bias_ptr, edge_ptr, tb_ptr, H,
-                             NUM_POS, NUM_CELLS)  # fmt: skip
-                s0 = (tl.sum(q.to(tl.float32) * kc, 1) * scale).to(tl.float32) + bias0
-                acc += _silu_scaled(s0, inv_divisor, False)[:, None] * vc
+                bias0 = _half_rab(zero, zero.to(tl.float64), pos_row, edge_ptr, pair_row,
+                                  NUM_POS, NUM_CELLS)  # fmt: skip
+                s0 = (tl.sum(q.to(tl.float32) * kc, 1) * half_scale).to(tl.float32) + bias0
+                acc += _silu_half(s0, False)[:, None] * vc
             out = out_ptr + ((user * num_cands + cand) * H + h)[:, None] * D + offs_d[None, :]
+            acc = (acc * inv_divisor).to(tl.float32)  # the constant N, once
             if ATOMIC:
                 tl.atomic_add(out, acc, mask=cmask[:, None])
             else:
                 tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=cmask[:, None])
 
-    def time_table(edges: torch.Tensor, time_bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The kernels' cell table: edge [NUM_CELLS] fp64, bias pairs [H, NUM_CELLS] int64."""
+    def bias_tables(
+        pos_bias: torch.Tensor, time_bias: torch.Tensor, edges: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernels' tables, halved: pos [H, NUM_POS] fp32, cell edges [NUM_CELLS] fp64,
+        time-bias pairs [H, NUM_CELLS] int64. One small launch per call."""
         num_time, num_heads = time_bias.shape
-        edge = torch.empty(NUM_CELLS, dtype=torch.float64, device=time_bias.device)
-        pair = torch.empty(num_heads, NUM_CELLS, dtype=torch.int64, device=time_bias.device)
-        torch.library.wrap_triton(_time_table_kernel)[(num_heads,)](
-            edges, time_bias, edge, pair, H=num_heads, NUM_TIME=num_time,
-            NE_P2=triton.next_power_of_2(max(2, num_time - 1)), NUM_CELLS=NUM_CELLS,
+        num_pos = pos_bias.shape[0]
+        dev = time_bias.device
+        pos_bias, time_bias = pos_bias.contiguous(), time_bias.contiguous()
+        pos = torch.empty(num_heads, num_pos, dtype=torch.float32, device=dev)
+        edge = torch.empty(NUM_CELLS, dtype=torch.float64, device=dev)
+        pair = torch.empty(num_heads, NUM_CELLS, dtype=torch.int64, device=dev)
+        torch.library.wrap_triton(_bias_table_kernel)[(num_heads,)](
+            pos_bias, edges.contiguous(), time_bias, pos, edge, pair, H=num_heads, NUM_POS=num_pos,
+            NUM_TIME=num_time, NE_P2=triton.next_power_of_2(max(2, num_time - 1)),
+            NUM_CELLS=NUM_CELLS, CHUNK=1024,
         )  # fmt: skip
-        return edge, pair
+        return pos, edge, pair
 
     def launch_prefill(
         q: torch.Tensor,
@@ -491,14 +518,15 @@ if triton is not None:
         """The prefill kernel with an explicit launch shape (the op uses the defaults;
         bench/h200_bench.py sweeps them). Returns [T, H, d] in q's dtype."""
         q, k, v = _heads_strided(q), _heads_strided(k), _heads_strided(v)
+        ts, offsets = ts.contiguous(), offsets.contiguous()  # indexed as dense vectors
         num_tokens, num_heads, head_dim = q.shape
         num_users = offsets.shape[0] - 1
-        edge, pair = time_table(edges, time_bias)
+        pos, edge, pair = bias_tables(pos_bias, time_bias, edges)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         grid = (num_tokens // block_m + num_users + 1, num_heads)
         torch.library.wrap_triton(_prefill_kernel)[grid](
-            q, k, v, ts, offsets, pos_bias, edge, pair, out, num_users, q.stride(0),
-            k.stride(0), v.stride(0), 1.0 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads,
+            q, k, v, ts, offsets, pos, edge, pair, out, num_users, q.stride(0),
+            k.stride(0), v.stride(0), 0.5 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads,
             D=head_dim, NUM_POS=pos_bias.shape[0], NUM_CELLS=NUM_CELLS, BLOCK_M=block_m,
             BLOCK_N=block_n, USER_CHUNK=USER_CHUNK, IEEE=q.dtype == torch.float32,
             FAST=fast_silu_allowed(fast, q), num_warps=num_warps, num_stages=num_stages,
@@ -530,8 +558,9 @@ if triton is not None:
         if kc.stride() != qc.stride() or vc.stride() != qc.stride():
             qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
         k, v = _heads_strided(k), _heads_strided(v)
+        ts, offsets, query_ts = ts.contiguous(), offsets.contiguous(), query_ts.contiguous()
         num_users, num_cands, num_heads, head_dim = qc.shape
-        edge, pair = time_table(edges, time_bias)
+        pos, edge, pair = bias_tables(pos_bias, time_bias, edges)
         m_tiles = (num_cands + block_m - 1) // block_m
         # Keys are cut so that about target_programs run; a user never has more than
         # NUM_POS (= max_seq_len) keys, so splits past its length return at once.
@@ -547,9 +576,9 @@ if triton is not None:
         out = alloc(qc.shape, dtype=dtype, device=qc.device)
         grid = (num_users * m_tiles, num_heads, splits)
         torch.library.wrap_triton(_candidate_kernel)[grid](
-            qc, kc, vc, query_ts, k, v, ts, offsets, pos_bias, edge, pair, out, num_cands,
+            qc, kc, vc, query_ts, k, v, ts, offsets, pos, edge, pair, out, num_cands,
             m_tiles, per_split, qc.stride(0), qc.stride(1), k.stride(0), v.stride(0),
-            1.0 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads, D=head_dim,
+            0.5 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads, D=head_dim,
             NUM_POS=pos_bias.shape[0], NUM_CELLS=NUM_CELLS, BLOCK_M=block_m, BLOCK_N=block_n,
             IEEE=qc.dtype == torch.float32, FAST=fast_silu_allowed(fast, qc), ATOMIC=atomic,
             num_warps=num_warps, num_stages=num_stages,
@@ -569,7 +598,8 @@ if triton is not None:
         divisor: int,
     ) -> torch.Tensor:
         """Causal SiLU attention of every user's tokens (q, k, v [T, H, d] jagged)."""
-        return launch_prefill(q, k, v, ts, offsets, pos_bias, time_bias, edges, divisor)
+        launch = FP32_LAUNCH if q.dtype == torch.float32 else PREFILL_LAUNCHES[0]
+        return launch_prefill(q, k, v, ts, offsets, pos_bias, time_bias, edges, divisor, *launch)
 
     @torch.library.triton_op(OP_CANDIDATES, mutates_args={})
     def jagged_silu_attention_candidates(
@@ -587,9 +617,11 @@ if triton is not None:
         divisor: int,
     ) -> torch.Tensor:
         """C candidates per user (qc [B, C, H, d]) over the user's jagged K/V and self."""
+        launch = FP32_LAUNCH if qc.dtype == torch.float32 else CAND_LAUNCH
         return launch_candidates(
-            qc, kc, vc, query_ts, k, v, ts, offsets, pos_bias, time_bias, edges, divisor
-        )
+            qc, kc, vc, query_ts, k, v, ts, offsets, pos_bias, time_bias, edges, divisor,
+            *launch,
+        )  # fmt: skip
 
 
 def fused_prefill_enabled(

@@ -17,7 +17,6 @@ no worse than 2x the error of the bf16 torch path itself.
 from __future__ import annotations
 
 import itertools
-import os
 import random
 from dataclasses import dataclass, replace
 
@@ -37,10 +36,10 @@ from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
 from tests.models.paged import FakePagedCache
 from tests.models.test_hstu_gpu import _model as gpu_model
+from tests.triton_interpreter import INTERPRET, patch_scalars
 
 FP32_TOL = 1e-5
 BF16_TOL = 1e-2
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BASE_TS = 1_700_000_000_000
 
 
@@ -255,17 +254,7 @@ def _cuda() -> None:
 
 @pytest.fixture
 def interpreter_scalars(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton 3.6's interpreter turns a scalar into a shape-[1] array and calls ``int()``
-    on it for ``range`` bounds, which numpy 2.4 rejects; read its one element instead."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor: object, scope: interpreter._LangPatchScope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda t: int(np.asarray(t.handle.data).ravel()[0]))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+    patch_scalars(monkeypatch)
 
 
 if pfa.triton_available():
@@ -274,15 +263,18 @@ if pfa.triton_available():
 
     @triton.jit
     def _bias_probe(
-        dt_ptr, out_ptr, pos_bias_ptr, edge_ptr, tb_ptr, n, H: tl.constexpr,
-        NUM_POS: tl.constexpr, NUM_CELLS: tl.constexpr, BLOCK: tl.constexpr,
+        dt_ptr, out_ptr, pos_ptr, edge_ptr, pair_ptr, n, NUM_POS: tl.constexpr,
+        NUM_CELLS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
+        """2 x the kernels' rab / 2 of head 1 at relative position 0."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
         dt = tl.load(dt_ptr + i, mask=mask, other=0).to(tl.float64)
         rel = tl.zeros([BLOCK], dtype=tl.int32)
-        bias = pfa._rab(rel, dt, 1, pos_bias_ptr, edge_ptr, tb_ptr, H, NUM_POS, NUM_CELLS)
-        tl.store(out_ptr + i, bias, mask=mask)
+        half = pfa._half_rab(
+            rel, dt, pos_ptr + NUM_POS, edge_ptr, pair_ptr + NUM_CELLS, NUM_POS, NUM_CELLS
+        )
+        tl.store(out_ptr + i, half * 2.0, mask=mask)
 
 
 def _probe_time_bias(device: str) -> None:
@@ -304,12 +296,13 @@ def _probe_time_bias(device: str) -> None:
     rel = torch.zeros_like(dt)
     want = relative_bias(rel[None], dt[None], pos_bias, time_bias, edges)[1, 0]  # [n]
     dev = [t.to(device) for t in (dt, pos_bias, time_bias, edges)]
-    edge, pair = pfa.time_table(dev[3], dev[2])
+    pos, edge, pair = pfa.bias_tables(dev[1], dev[2], dev[3])
+    assert torch.equal(pos.cpu() * 2, pos_bias.t())
     out = torch.zeros(dt.shape[0], device=device)
     block = 256
     torch.library.wrap_triton(_bias_probe)[(triton.cdiv(dt.shape[0], block),)](
-        dev[0], out, dev[1], edge, pair, dt.shape[0], H=2, NUM_POS=64,
-        NUM_CELLS=pfa.NUM_CELLS, BLOCK=block,
+        dev[0], out, pos, edge, pair, dt.shape[0], NUM_POS=64, NUM_CELLS=pfa.NUM_CELLS,
+        BLOCK=block,
     )  # fmt: skip
     assert torch.equal(out.cpu(), want), (out.cpu() - want).abs().max()
 
