@@ -229,26 +229,54 @@ if triton is not None:
             return acc + tl.dot(w.to(v.dtype), v)
 
     @triton.jit
-    def _half_rab(rel, dt, pos_row, edge_ptr, pair_row, NUM_POS: tl.constexpr,
-                  NUM_CELLS: tl.constexpr):  # fmt: skip
-        """rab(i, j) / 2 of one head, fp32, any shape: pos_bias[i - j] + time_bias[bucket].
-
-        rel int32; dt fp64 (an exact integer number of ms); pos_row, pair_row: the head's
-        rows of the tables (``bias_tables``). The cell of |dt| is read from its fp64 bits
-        (exponent and two mantissa bits: no rounding, the sign masked off); its entry holds
-        the one edge inside the cell and the bias below and above that edge. Halving is
-        exact, so 2 x this is the reference's fp32 sum bit for bit.
-        """
-        rel = tl.minimum(tl.maximum(rel, 0), NUM_POS - 1)
-        p_bias = tl.load(pos_row + rel)  # contiguous per head: one line per warp gather
-        bits = dt.to(tl.int64, bitcast=True)
+    def _bucket(x, cell_edge_ptr, cell_base_ptr, NUM_CELLS: tl.constexpr):
+        """bucketize(x, edges, right=True) for x >= 0, fp64 (an exact integer of ms), any
+        shape. The cell of x is read from its fp64 bits (exponent and two mantissa bits: no
+        rounding); the cell holds at most one edge, so the bucket is the cell's base plus
+        one compare with that edge."""
+        bits = x.to(tl.int64, bitcast=True)
         cell = ((bits >> 50) & 0x1FFF).to(tl.int32) - 4092  # 4092 = 1023 (exponent bias) * 4
         cell = tl.minimum(tl.maximum(cell, 0), NUM_CELLS - 1)
-        edge = tl.load(edge_ptr + cell)  # fp64, huge when the cell holds no edge
-        pair = tl.load(pair_row + cell)  # int64: two fp32 (below, above the edge)
-        below = pair.to(tl.int32).to(tl.float32, bitcast=True)
-        above = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        return p_bias + tl.where(tl.abs(dt) >= edge, above, below)
+        above = x >= tl.load(cell_edge_ptr + cell)  # the edge is huge in a cell without one
+        return tl.load(cell_base_ptr + cell) + above.to(tl.int32)
+
+    @triton.jit
+    def _min_max(lo_a, hi_a, lo_b, hi_b):
+        return tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b)
+
+    @triton.jit
+    def _add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, edges_ptr, tb_row, cell_edge_ptr,
+                       cell_base_ptr, NUM_CELLS: tl.constexpr):  # fmt: skip
+        """bias [BM, BN] + time_bias[bucket(|ts_i - ts_j|)] / 2 of one head, exactly.
+
+        The tile's |dt| lie in [near, far] (from the query range [q_lo, q_hi] and the key
+        range), so its buckets lie in [b_lo, b_hi]: one bucket for most tiles (a scalar
+        add), else one fp64 compare and select per edge inside the range. No gathers.
+        """
+        k_lo, k_hi = tl.reduce((ts_k, ts_k), 0, _min_max)
+        near = tl.maximum(tl.maximum(q_lo - k_hi, k_lo - q_hi), 0.0)
+        far = tl.maximum(q_hi - k_lo, k_hi - q_lo)
+        b_lo = _bucket(near, cell_edge_ptr, cell_base_ptr, NUM_CELLS)
+        b_hi = _bucket(far, cell_edge_ptr, cell_base_ptr, NUM_CELLS)
+        t_lo = tl.load(tb_row + b_lo)
+        if b_lo < b_hi:
+            adt = tl.abs(ts_q[:, None] - ts_k[None, :])  # [BM, BN] fp64, exact
+            t = tl.zeros(bias.shape, dtype=tl.float32) + t_lo
+            for b in range(b_lo + 1, b_hi + 1):  # bucket >= b iff |dt| >= edges[b - 1]
+                edge = tl.load(edges_ptr + b - 1).to(tl.float64)
+                t = tl.where(adt >= edge, tl.load(tb_row + b), t)
+            bias = bias + t
+        else:
+            bias = bias + t_lo
+        return bias
+
+    @triton.jit
+    def _key_rab(rel, dt, pos_row, tb_row, cell_edge_ptr, cell_base_ptr, NUM_POS: tl.constexpr,
+                 NUM_CELLS: tl.constexpr):  # fmt: skip
+        """rab / 2 of one head per key (the candidates' bias row): two small gathers."""
+        rel = tl.minimum(tl.maximum(rel, 0), NUM_POS - 1)
+        bucket = _bucket(tl.abs(dt), cell_edge_ptr, cell_base_ptr, NUM_CELLS)
+        return tl.load(pos_row + rel) + tl.load(tb_row + bucket)
 
     @triton.jit
     def _bias_table_kernel(
@@ -256,41 +284,41 @@ if triton is not None:
         edges_ptr,  # [NUM_TIME - 1] int64
         time_bias_ptr,  # [NUM_TIME, H]
         pos_out_ptr,  # [H, NUM_POS] fp32: pos_bias / 2, transposed
-        edge_out_ptr,  # [NUM_CELLS] fp64
-        pair_out_ptr,  # [H, NUM_CELLS] int64: time_bias / 2 below and above the cell's edge
+        tb_out_ptr,  # [H, NUM_TIME] fp32: time_bias / 2, transposed
+        cell_edge_ptr,  # [NUM_CELLS] fp64: the edge inside each cell (huge if none)
+        cell_base_ptr,  # [NUM_CELLS] int32: the buckets below each cell
         H: tl.constexpr,
         NUM_POS: tl.constexpr,
         NUM_TIME: tl.constexpr,
-        NE_P2: tl.constexpr,
+        NT_P2: tl.constexpr,
         NUM_CELLS: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
-        """One head's rows; cell c covers [2^o·(1 + f/4), 2^o·(1 + (f+1)/4)), c = 4o + f."""
+        """One head's rows (and, head 0, the cells c = 4o + f: [2^o(1 + f/4), 2^o(1 + (f+1)/4)).
+        Halving is exact, so twice the sum of two halves is the reference's fp32 sum."""
         h = tl.program_id(0)
         for p0 in range(0, NUM_POS, CHUNK):
             p = p0 + tl.arange(0, CHUNK)
             pmask = p < NUM_POS
             row = tl.load(pos_bias_ptr + p * H + h, mask=pmask, other=0.0).to(tl.float32)
             tl.store(pos_out_ptr + h * NUM_POS + p, row * 0.5, mask=pmask)
+        t = tl.arange(0, NT_P2)
+        tmask = t < NUM_TIME
+        row = tl.load(time_bias_ptr + t * H + h, mask=tmask, other=0.0).to(tl.float32)
+        tl.store(tb_out_ptr + h * NUM_TIME + t, row * 0.5, mask=tmask)
         c = tl.arange(0, NUM_CELLS)
         octave = (c // 4).to(tl.int64)
         pow2 = ((octave + 1023) << 52).to(tl.float64, bitcast=True)  # 2^octave, exact
         lower = pow2 * (1.0 + (c % 4).to(tl.float64) * 0.25)  # [NC], exact
-        e = tl.arange(0, NE_P2)
-        emask = e < NUM_TIME - 1
-        edges = tl.load(edges_ptr + e, mask=emask, other=0).to(tl.float64)  # exact < 2^53
-        below = (edges[None, :] < lower[:, None]) & emask[None, :]  # [NC, NE_P2]
+        emask = t < NUM_TIME - 1
+        edges = tl.load(edges_ptr + t, mask=emask, other=0).to(tl.float64)  # exact < 2^53
+        below = (edges[None, :] < lower[:, None]) & emask[None, :]  # [NC, NT_P2]
         base = tl.sum(below.to(tl.int32), 1)  # [NC] buckets entirely below the cell
         has_edge = base < NUM_TIME - 1
         edge = tl.load(edges_ptr + base, mask=has_edge, other=0).to(tl.float64)
-        edge = tl.where(has_edge, edge, 1e300)
-        lo = tl.load(time_bias_ptr + base * H + h).to(tl.float32) * 0.5
-        hi = tl.load(time_bias_ptr + tl.minimum(base + 1, NUM_TIME - 1) * H + h).to(tl.float32)
-        pair = lo.to(tl.uint32, bitcast=True).to(tl.int64) | (
-            (hi * 0.5).to(tl.uint32, bitcast=True).to(tl.int64) << 32
-        )
-        tl.store(pair_out_ptr + h * NUM_CELLS + c, pair)
-        tl.store(edge_out_ptr + c, edge, mask=(c >= 0) & (h == 0))
+        first = (c >= 0) & (h == 0)
+        tl.store(cell_edge_ptr + c, tl.where(has_edge, edge, 1e300), mask=first)
+        tl.store(cell_base_ptr + c, base, mask=first)
 
     @triton.jit
     def _key_tile(k_ptr, v_ptr, ts_ptr, start, cols, end, h, stride_k, stride_v,
@@ -313,19 +341,25 @@ if triton is not None:
 
     @triton.jit
     def _prefill_tile(
-        acc, q, rows, ts_q, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_row, edge_ptr, pair_row,
-        stride_k, stride_v, half_scale, D: tl.constexpr, NUM_POS: tl.constexpr,
-        NUM_CELLS: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr,
-        IEEE: tl.constexpr, FAST: tl.constexpr,
+        acc, q, rows, ts_q, q_lo, q_hi, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_row, tb_row,
+        edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v, half_scale,
+        D: tl.constexpr, NUM_POS: tl.constexpr, NUM_CELLS: tl.constexpr,
+        BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
     ):  # fmt: skip
         """acc + Σ_j silu(q·k_j/√d + rab) v_j over keys n0 … n0+BLOCK_N-1 (times N)."""
         cols = n0 + tl.arange(0, BLOCK_N)  # [BN] positions in the user
         # (diagonal tiles: keys past the user's end read as zeros and are masked below)
         k, v, ts_k = _key_tile(k_ptr, v_ptr, ts_ptr, start, cols, n, h, stride_k, stride_v, D,
                                DIAGONAL)  # fmt: skip
+        if DIAGONAL:  # keys past the end take key n0's timestamp: they stretch no range
+            ts_k = tl.where(cols < n, ts_k, tl.load(ts_ptr + start + n0).to(tl.float64))
         s = _scores(q, k, IEEE)  # [BM, BN] fp32
-        bias = _half_rab(rows[:, None] - cols[None, :], ts_q[:, None] - ts_k[None, :], pos_row,
-                         edge_ptr, pair_row, NUM_POS, NUM_CELLS)  # fmt: skip
+        rel = rows[:, None] - cols[None, :]  # >= 1 below the diagonal; padding rows clamped
+        if DIAGONAL:
+            rel = tl.maximum(rel, 0)
+        bias = tl.load(pos_row + tl.minimum(rel, NUM_POS - 1))
+        bias = _add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, edges_ptr, tb_row, cell_edge_ptr,
+                              cell_base_ptr, NUM_CELLS)  # fmt: skip
         w = _silu_half((s * half_scale).to(tl.float32) + bias, FAST)
         if DIAGONAL:
             w = tl.where(cols[None, :] <= rows[:, None], w, 0.0)
@@ -338,9 +372,11 @@ if triton is not None:
         v_ptr,  # [T, H, D]
         ts_ptr,  # [T] int64
         offsets_ptr,  # [B + 1] int64
-        pos_ptr,  # [H, NUM_POS] fp32 (``bias_tables``)
-        edge_ptr,  # [NUM_CELLS] fp64
-        pair_ptr,  # [H, NUM_CELLS] int64
+        pos_ptr,  # [H, NUM_POS] fp32 (``bias_tables``, as the next three)
+        tb_ptr,  # [H, NUM_TIME] fp32
+        cell_edge_ptr,  # [NUM_CELLS] fp64
+        cell_base_ptr,  # [NUM_CELLS] int32
+        edges_ptr,  # [NUM_TIME - 1] int64
         out_ptr,  # [T, H, D] contiguous
         num_users,
         stride_q,
@@ -351,6 +387,7 @@ if triton is not None:
         H: tl.constexpr,
         D: tl.constexpr,
         NUM_POS: tl.constexpr,
+        NUM_TIME: tl.constexpr,
         NUM_CELLS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -382,20 +419,23 @@ if triton is not None:
             q = tl.load(q_ptr + tok[:, None] * stride_q + h * D + offs_d[None, :],
                         mask=rmask[:, None], other=0.0)  # fmt: skip
             ts_q = tl.load(ts_ptr + tok, mask=rmask, other=0).to(tl.float64)
+            # padding rows take row m0's timestamp: they stretch no range
+            ts_q = tl.where(rmask, ts_q, tl.load(ts_ptr + start + m0).to(tl.float64))
+            q_lo, q_hi = tl.reduce((ts_q, ts_q), 0, _min_max)
             pos_row = pos_ptr + h * NUM_POS
-            pair_row = pair_ptr + h * NUM_CELLS
+            tb_row = tb_ptr + h * NUM_TIME
             acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
             for n0 in range(0, m0, BLOCK_N):  # below the diagonal: no mask
                 acc = _prefill_tile(
-                    acc, q, rows, ts_q, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_row, edge_ptr,
-                    pair_row, stride_k, stride_v, half_scale, D, NUM_POS, NUM_CELLS, BLOCK_N,
-                    False, IEEE, FAST,
+                    acc, q, rows, ts_q, q_lo, q_hi, n0, n, start, h, k_ptr, v_ptr, ts_ptr,
+                    pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
+                    half_scale, D, NUM_POS, NUM_CELLS, BLOCK_N, False, IEEE, FAST,
                 )  # fmt: skip
             for n0 in range(m0, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the diagonal
                 acc = _prefill_tile(
-                    acc, q, rows, ts_q, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_row, edge_ptr,
-                    pair_row, stride_k, stride_v, half_scale, D, NUM_POS, NUM_CELLS, BLOCK_N,
-                    True, IEEE, FAST,
+                    acc, q, rows, ts_q, q_lo, q_hi, n0, n, start, h, k_ptr, v_ptr, ts_ptr,
+                    pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
+                    half_scale, D, NUM_POS, NUM_CELLS, BLOCK_N, True, IEEE, FAST,
                 )  # fmt: skip
             out = out_ptr + (tok[:, None] * H + h) * D + offs_d[None, :]
             acc = (acc * inv_divisor).to(out_ptr.dtype.element_ty)  # the constant N, once
@@ -411,9 +451,10 @@ if triton is not None:
         v_ptr,  # [T, H, D]
         ts_ptr,  # [T]
         offsets_ptr,  # [B + 1]
-        pos_ptr,  # [H, NUM_POS] fp32 (``bias_tables``)
-        edge_ptr,  # [NUM_CELLS] fp64
-        pair_ptr,  # [H, NUM_CELLS] int64
+        pos_ptr,  # [H, NUM_POS] fp32 (``bias_tables``, as the next two)
+        tb_ptr,  # [H, NUM_TIME] fp32
+        cell_edge_ptr,  # [NUM_CELLS] fp64
+        cell_base_ptr,  # [NUM_CELLS] int32
         out_ptr,  # [B, C, H, D] contiguous (fp32 and zeroed when ATOMIC)
         num_cands,
         m_tiles,
@@ -427,6 +468,7 @@ if triton is not None:
         H: tl.constexpr,
         D: tl.constexpr,
         NUM_POS: tl.constexpr,
+        NUM_TIME: tl.constexpr,
         NUM_CELLS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -452,15 +494,15 @@ if triton is not None:
             q = tl.load(qc_ptr + crow[:, None] + offs_d[None, :], mask=cmask[:, None], other=0.0)
             ts_q = tl.load(query_ts_ptr + user).to(tl.float64)
             pos_row = pos_ptr + h * NUM_POS
-            pair_row = pair_ptr + h * NUM_CELLS
+            tb_row = tb_ptr + h * NUM_TIME
             acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
             for n0 in range(k_start, k_end, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 k, v, ts_k = _key_tile(k_ptr, v_ptr, ts_ptr, start, cols, k_end, h, stride_k,
                                        stride_v, D, True)  # fmt: skip
                 s = _scores(q, k, IEEE)  # [BM, BN]
-                bias = _half_rab(n - cols, ts_q - ts_k, pos_row, edge_ptr, pair_row, NUM_POS,
-                                 NUM_CELLS)  # fmt: skip
+                bias = _key_rab(n - cols, ts_q - ts_k, pos_row, tb_row, cell_edge_ptr,
+                                cell_base_ptr, NUM_POS, NUM_CELLS)  # fmt: skip
                 w = _silu_half((s * half_scale).to(tl.float32) + bias[None, :], FAST)
                 acc = _accumulate(acc, w, v, IEEE)  # keys past k_end: V rows are zero
             if split == 0:  # the candidate's own key (i - j = 0, dt = 0)
@@ -469,8 +511,8 @@ if triton is not None:
                 vc = tl.load(vc_ptr + crow[:, None] + offs_d[None, :], mask=cmask[:, None],
                              other=0.0).to(tl.float32)  # fmt: skip
                 zero = tl.zeros((BLOCK_M,), dtype=tl.int32)
-                bias0 = _half_rab(zero, zero.to(tl.float64), pos_row, edge_ptr, pair_row,
-                                  NUM_POS, NUM_CELLS)  # fmt: skip
+                bias0 = _key_rab(zero, zero.to(tl.float64), pos_row, tb_row, cell_edge_ptr,
+                                 cell_base_ptr, NUM_POS, NUM_CELLS)  # fmt: skip
                 s0 = (tl.sum(q.to(tl.float32) * kc, 1) * half_scale).to(tl.float32) + bias0
                 acc += _silu_half(s0, False)[:, None] * vc
             out = out_ptr + ((user * num_cands + cand) * H + h)[:, None] * D + offs_d[None, :]
@@ -482,22 +524,24 @@ if triton is not None:
 
     def bias_tables(
         pos_bias: torch.Tensor, time_bias: torch.Tensor, edges: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The kernels' tables, halved: pos [H, NUM_POS] fp32, cell edges [NUM_CELLS] fp64,
-        time-bias pairs [H, NUM_CELLS] int64. One small launch per call."""
+    ) -> tuple[torch.Tensor, ...]:
+        """The kernels' tables (one small launch per call): pos_bias / 2 [H, NUM_POS] and
+        time_bias / 2 [H, NUM_TIME] fp32, per head; per cell its edge [NUM_CELLS] fp64 and
+        the buckets below it [NUM_CELLS] int32."""
         num_time, num_heads = time_bias.shape
         num_pos = pos_bias.shape[0]
         dev = time_bias.device
         pos_bias, time_bias = pos_bias.contiguous(), time_bias.contiguous()
         pos = torch.empty(num_heads, num_pos, dtype=torch.float32, device=dev)
-        edge = torch.empty(NUM_CELLS, dtype=torch.float64, device=dev)
-        pair = torch.empty(num_heads, NUM_CELLS, dtype=torch.int64, device=dev)
+        tb = torch.empty(num_heads, num_time, dtype=torch.float32, device=dev)
+        cell_edge = torch.empty(NUM_CELLS, dtype=torch.float64, device=dev)
+        cell_base = torch.empty(NUM_CELLS, dtype=torch.int32, device=dev)
         torch.library.wrap_triton(_bias_table_kernel)[(num_heads,)](
-            pos_bias, edges.contiguous(), time_bias, pos, edge, pair, H=num_heads, NUM_POS=num_pos,
-            NUM_TIME=num_time, NE_P2=triton.next_power_of_2(max(2, num_time - 1)),
+            pos_bias, edges, time_bias, pos, tb, cell_edge, cell_base, H=num_heads,
+            NUM_POS=num_pos, NUM_TIME=num_time, NT_P2=triton.next_power_of_2(num_time),
             NUM_CELLS=NUM_CELLS, CHUNK=1024,
         )  # fmt: skip
-        return pos, edge, pair
+        return pos, tb, cell_edge, cell_base
 
     def launch_prefill(
         q: torch.Tensor,
@@ -521,14 +565,15 @@ if triton is not None:
         ts, offsets = ts.contiguous(), offsets.contiguous()  # indexed as dense vectors
         num_tokens, num_heads, head_dim = q.shape
         num_users = offsets.shape[0] - 1
-        pos, edge, pair = bias_tables(pos_bias, time_bias, edges)
+        edges = edges.contiguous()
+        tables = bias_tables(pos_bias, time_bias, edges)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         grid = (num_tokens // block_m + num_users + 1, num_heads)
         torch.library.wrap_triton(_prefill_kernel)[grid](
-            q, k, v, ts, offsets, pos, edge, pair, out, num_users, q.stride(0),
-            k.stride(0), v.stride(0), 0.5 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads,
-            D=head_dim, NUM_POS=pos_bias.shape[0], NUM_CELLS=NUM_CELLS, BLOCK_M=block_m,
-            BLOCK_N=block_n, USER_CHUNK=USER_CHUNK, IEEE=q.dtype == torch.float32,
+            q, k, v, ts, offsets, *tables, edges, out, num_users, q.stride(0), k.stride(0),
+            v.stride(0), 0.5 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads, D=head_dim,
+            NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0], NUM_CELLS=NUM_CELLS,
+            BLOCK_M=block_m, BLOCK_N=block_n, USER_CHUNK=USER_CHUNK, IEEE=q.dtype == torch.float32,
             FAST=fast_silu_allowed(fast, q), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         return out
@@ -560,7 +605,7 @@ if triton is not None:
         k, v = _heads_strided(k), _heads_strided(v)
         ts, offsets, query_ts = ts.contiguous(), offsets.contiguous(), query_ts.contiguous()
         num_users, num_cands, num_heads, head_dim = qc.shape
-        pos, edge, pair = bias_tables(pos_bias, time_bias, edges)
+        tables = bias_tables(pos_bias, time_bias, edges.contiguous())
         m_tiles = (num_cands + block_m - 1) // block_m
         # Keys are cut so that about target_programs run; a user never has more than
         # NUM_POS (= max_seq_len) keys, so splits past its length return at once.
@@ -576,12 +621,13 @@ if triton is not None:
         out = alloc(qc.shape, dtype=dtype, device=qc.device)
         grid = (num_users * m_tiles, num_heads, splits)
         torch.library.wrap_triton(_candidate_kernel)[grid](
-            qc, kc, vc, query_ts, k, v, ts, offsets, pos, edge, pair, out, num_cands,
-            m_tiles, per_split, qc.stride(0), qc.stride(1), k.stride(0), v.stride(0),
+            qc, kc, vc, query_ts, k, v, ts, offsets, *tables, out, num_cands, m_tiles,
+            per_split, qc.stride(0), qc.stride(1), k.stride(0), v.stride(0),
             0.5 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads, D=head_dim,
-            NUM_POS=pos_bias.shape[0], NUM_CELLS=NUM_CELLS, BLOCK_M=block_m, BLOCK_N=block_n,
-            IEEE=qc.dtype == torch.float32, FAST=fast_silu_allowed(fast, qc), ATOMIC=atomic,
-            num_warps=num_warps, num_stages=num_stages,
+            NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0], NUM_CELLS=NUM_CELLS,
+            BLOCK_M=block_m, BLOCK_N=block_n, IEEE=qc.dtype == torch.float32,
+            FAST=fast_silu_allowed(fast, qc), ATOMIC=atomic, num_warps=num_warps,
+            num_stages=num_stages,
         )  # fmt: skip
         return out.to(qc.dtype)
 

@@ -263,23 +263,31 @@ if pfa.triton_available():
 
     @triton.jit
     def _bias_probe(
-        dt_ptr, out_ptr, pos_ptr, edge_ptr, pair_ptr, n, NUM_POS: tl.constexpr,
-        NUM_CELLS: tl.constexpr, BLOCK: tl.constexpr,
+        dt_ptr, key_out_ptr, tile_out_ptr, pos_ptr, tb_ptr, cell_edge_ptr, cell_base_ptr,
+        edges_ptr, n, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, NUM_CELLS: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """2 x the kernels' rab / 2 of head 1 at relative position 0."""
+        """Head 1: 2 x the per-key rab / 2 at relative position 0, and 2 x the tile time
+        bias / 2 of 16 queries at ts 0 against keys at ts = dt (one tile, every edge)."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
         dt = tl.load(dt_ptr + i, mask=mask, other=0).to(tl.float64)
+        pos_row, tb_row = pos_ptr + NUM_POS, tb_ptr + NUM_TIME
         rel = tl.zeros([BLOCK], dtype=tl.int32)
-        half = pfa._half_rab(
-            rel, dt, pos_ptr + NUM_POS, edge_ptr, pair_ptr + NUM_CELLS, NUM_POS, NUM_CELLS
-        )
-        tl.store(out_ptr + i, half * 2.0, mask=mask)
+        key = pfa._key_rab(rel, dt, pos_row, tb_row, cell_edge_ptr, cell_base_ptr, NUM_POS,
+                           NUM_CELLS)  # fmt: skip
+        tl.store(key_out_ptr + i, key * 2.0, mask=mask)
+        ts_q = tl.zeros([16], dtype=tl.float64)
+        q_lo, q_hi = tl.reduce((ts_q, ts_q), 0, pfa._min_max)
+        zero = tl.zeros([16, BLOCK], dtype=tl.float32)
+        tile = pfa._add_time_bias(zero, ts_q, dt, q_lo, q_hi, edges_ptr, tb_row, cell_edge_ptr,
+                                  cell_base_ptr, NUM_CELLS)  # fmt: skip
+        tl.store(tile_out_ptr + i, tl.max(tile, 0) * 2.0, mask=mask)
 
 
 def _probe_time_bias(device: str) -> None:
-    """Kernel bias of head 1 at relative position 0 equals relative_bias bit for bit, at
-    every edge ±1, every cell bound ±1, 0 and 2^k up to 2^45 ms, both signs."""
+    """Kernel biases of head 1 equal relative_bias bit for bit at every edge ±1, every
+    cell bound ±1, 0 and 2^k up to 2^45 ms, both signs, per key and per tile."""
     edges = time_bucket_edges(32, 0.6)
     gen = torch.Generator().manual_seed(0)
     probes = {0, 1, 2, 3}
@@ -294,17 +302,20 @@ def _probe_time_bias(device: str) -> None:
     pos_bias = torch.randn(64, 2, generator=gen)
     time_bias = torch.randn(32, 2, generator=gen)
     rel = torch.zeros_like(dt)
-    want = relative_bias(rel[None], dt[None], pos_bias, time_bias, edges)[1, 0]  # [n]
+    want_key = relative_bias(rel[None], dt[None], pos_bias, time_bias, edges)[1, 0]  # [n]
+    want_time = time_bias[torch.bucketize(dt.abs(), edges, right=True), 1]
     dev = [t.to(device) for t in (dt, pos_bias, time_bias, edges)]
-    pos, edge, pair = pfa.bias_tables(dev[1], dev[2], dev[3])
-    assert torch.equal(pos.cpu() * 2, pos_bias.t())
-    out = torch.zeros(dt.shape[0], device=device)
+    tables = pfa.bias_tables(dev[1], dev[2], dev[3])
+    assert torch.equal(tables[0].cpu() * 2, pos_bias.t())
+    key = torch.zeros(dt.shape[0], device=device)
+    tile = torch.zeros(dt.shape[0], device=device)
     block = 256
     torch.library.wrap_triton(_bias_probe)[(triton.cdiv(dt.shape[0], block),)](
-        dev[0], out, pos, edge, pair, dt.shape[0], NUM_POS=64, NUM_CELLS=pfa.NUM_CELLS,
-        BLOCK=block,
+        dev[0], key, tile, *tables, dev[3], dt.shape[0], NUM_POS=64, NUM_TIME=32,
+        NUM_CELLS=pfa.NUM_CELLS, BLOCK=block,
     )  # fmt: skip
-    assert torch.equal(out.cpu(), want), (out.cpu() - want).abs().max()
+    assert torch.equal(key.cpu(), want_key), (key.cpu() - want_key).abs().max()
+    assert torch.equal(tile.cpu(), want_time), (tile.cpu() - want_time).abs().max()
 
 
 # CPU interpreter: small shapes, tile sizes small enough to cross many tile boundaries.
