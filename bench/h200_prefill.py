@@ -31,10 +31,10 @@ BATCHES = (1, 8, 64)
 CAND_LAUNCHES = (
     (pfa.CAND_BLOCK_M, pfa.CAND_BLOCK_N, pfa.CAND_WARPS, pfa.CAND_STAGES,
      pfa.CAND_TARGET_PROGRAMS),
-    (128, 32, 8, 2, 512),
-    (64, 64, 4, 2, 512),
-    (128, 64, 8, 3, 256),
-    (128, 64, 8, 2, 1024),
+    (128, 64, 8, 2, 512),
+    (64, 32, 4, 2, 512),
+    (128, 32, 8, 3, 256),
+    (128, 32, 8, 2, 1024),
 )  # fmt: skip
 NUM_TIME_BUCKETS = 32  # HSTUConfig's default, as build_model uses
 

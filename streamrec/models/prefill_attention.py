@@ -58,25 +58,33 @@ OP_PREFILL = "streamrec::jagged_silu_attention"
 OP_CANDIDATES = "streamrec::jagged_silu_attention_candidates"
 # Cells of |dt|: fp64 exponent (0 … 63 above 1 ms) x 4 quarter octaves.
 NUM_CELLS = 256
-# Launch shapes (bench/h200_bench.py sweeps them; see BENCHMARKS.md for the H200 figures).
-PREFILL_BLOCK_M = 128
-PREFILL_BLOCK_N = 64
-PREFILL_WARPS = 8
+# Zeros either side of each head's pos-bias row: the prefill tiles index it by i - j with
+# no clamp (diagonal tiles reach j - i < BLOCK_N, padding rows i < len + BLOCK_M).
+POS_PAD = 128
+# Launch shapes (bench/h200_bench.py sweeps them; BENCHMARKS.md has the H200 figures).
+# Chosen offline (ptxas for sm_90a, no GPU at hand): BLOCK_N = 32 keeps the score tile and
+# the bias in registers (BLOCK_N = 64 spills inside the key loop at 255 registers), and
+# 64 x 32 x 4 warps (58-66 KB of shared memory, 255 registers) lets two CTAs share an SM,
+# so one waits at a barrier while the other computes.
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 32
+PREFILL_WARPS = 4
 PREFILL_STAGES = 2
 # (BLOCK_M, BLOCK_N, warps, stages) the kernel sweep times; the defaults above come first.
 PREFILL_LAUNCHES = (
     (PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES),
-    (128, 64, 8, 3),
     (128, 32, 8, 2),
-    (128, 128, 8, 2),
-    (64, 64, 4, 2),
     (64, 32, 4, 3),
+    (128, 32, 8, 3),
+    (128, 16, 8, 3),
+    (64, 64, 4, 2),
+    (128, 64, 8, 2),
 )
 # fp32 inputs (IEEE fp32 dots on CUDA cores, for exactness tests): tiles that fit in
 # shared memory at head_dim 128.
 FP32_LAUNCH = (64, 32, 4, 2)
 CAND_BLOCK_M = 128
-CAND_BLOCK_N = 64
+CAND_BLOCK_N = 32
 CAND_WARPS = 8
 CAND_STAGES = 2
 CAND_TARGET_PROGRAMS = 512
@@ -185,8 +193,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int
     head_dim = q.shape[-1]
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ModelError(f"prefill attention needs a power-of-two head_dim >= 16, got {head_dim}")
-    if block_m % block_n:
-        raise ModelError(f"BLOCK_M={block_m} must be a multiple of BLOCK_N={block_n}")
+    if block_m % block_n or max(block_m, block_n) > POS_PAD:
+        raise ModelError(
+            f"BLOCK_M={block_m} must be a multiple of BLOCK_N={block_n}, both <= {POS_PAD}"
+        )
 
 
 def _heads_strided(x: torch.Tensor) -> torch.Tensor:
@@ -245,15 +255,15 @@ if triton is not None:
         return tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b)
 
     @triton.jit
-    def _add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, edges_ptr, tb_row, cell_edge_ptr,
-                       cell_base_ptr, NUM_CELLS: tl.constexpr):  # fmt: skip
+    def _add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
+                       cell_edge_ptr, cell_base_ptr, NUM_CELLS: tl.constexpr):  # fmt: skip
         """bias [BM, BN] + time_bias[bucket(|ts_i - ts_j|)] / 2 of one head, exactly.
 
-        The tile's |dt| lie in [near, far] (from the query range [q_lo, q_hi] and the key
-        range), so its buckets lie in [b_lo, b_hi]: one bucket for most tiles (a scalar
-        add), else one fp64 compare and select per edge inside the range. No gathers.
+        The tile's |dt| lie in [near, far] (from the query and key timestamp ranges, or
+        any ranges that hold them), so its buckets lie in [b_lo, b_hi]: one bucket for most
+        tiles (a scalar add), else one fp64 compare and select per edge inside the range.
+        No gathers.
         """
-        k_lo, k_hi = tl.reduce((ts_k, ts_k), 0, _min_max)
         near = tl.maximum(tl.maximum(q_lo - k_hi, k_lo - q_hi), 0.0)
         far = tl.maximum(q_hi - k_lo, k_hi - q_lo)
         b_lo = _bucket(near, cell_edge_ptr, cell_base_ptr, NUM_CELLS)
@@ -283,7 +293,7 @@ if triton is not None:
         pos_bias_ptr,  # [NUM_POS, H]
         edges_ptr,  # [NUM_TIME - 1] int64
         time_bias_ptr,  # [NUM_TIME, H]
-        pos_out_ptr,  # [H, NUM_POS] fp32: pos_bias / 2, transposed
+        pos_out_ptr,  # [H, POS_PAD + NUM_POS + POS_PAD] fp32: pos_bias / 2, transposed
         tb_out_ptr,  # [H, NUM_TIME] fp32: time_bias / 2, transposed
         cell_edge_ptr,  # [NUM_CELLS] fp64: the edge inside each cell (huge if none)
         cell_base_ptr,  # [NUM_CELLS] int32: the buckets below each cell
@@ -292,16 +302,18 @@ if triton is not None:
         NUM_TIME: tl.constexpr,
         NT_P2: tl.constexpr,
         NUM_CELLS: tl.constexpr,
+        POS_PAD: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
         """One head's rows (and, head 0, the cells c = 4o + f: [2^o(1 + f/4), 2^o(1 + (f+1)/4)).
         Halving is exact, so twice the sum of two halves is the reference's fp32 sum."""
         h = tl.program_id(0)
-        for p0 in range(0, NUM_POS, CHUNK):
-            p = p0 + tl.arange(0, CHUNK)
-            pmask = p < NUM_POS
-            row = tl.load(pos_bias_ptr + p * H + h, mask=pmask, other=0.0).to(tl.float32)
-            tl.store(pos_out_ptr + h * NUM_POS + p, row * 0.5, mask=pmask)
+        width = NUM_POS + 2 * POS_PAD
+        for p0 in range(0, width, CHUNK):
+            p = p0 + tl.arange(0, CHUNK)  # index in the padded row; position p - POS_PAD
+            inside = (p >= POS_PAD) & (p < NUM_POS + POS_PAD)
+            row = tl.load(pos_bias_ptr + (p - POS_PAD) * H + h, mask=inside, other=0.0)
+            tl.store(pos_out_ptr + h * width + p, row.to(tl.float32) * 0.5, mask=p < width)
         t = tl.arange(0, NT_P2)
         tmask = t < NUM_TIME
         row = tl.load(time_bias_ptr + t * H + h, mask=tmask, other=0.0).to(tl.float32)
@@ -321,45 +333,80 @@ if triton is not None:
         tl.store(cell_base_ptr + c, base, mask=first)
 
     @triton.jit
-    def _key_tile(k_ptr, v_ptr, ts_ptr, start, cols, end, h, stride_k, stride_v,
-                  D: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-        """K, V [BN, D] and fp64 timestamps [BN] of one user's keys ``cols``; with MASKED,
-        keys at or past ``end`` read as zeros (a zero V row adds nothing)."""
-        tok = (start + cols).to(tl.int64)
-        kv = tok[:, None] * stride_k + h * D + tl.arange(0, D)[None, :]
-        vv = tok[:, None] * stride_v + h * D + tl.arange(0, D)[None, :]
+    def _ts_range_kernel(
+        ts_ptr,  # [T] int64
+        offsets_ptr,  # [B + 1] int64
+        range_ptr,  # [T // CHUNK + B + 1, 2] fp64
+        CHUNK: tl.constexpr,
+        CHUNKS: tl.constexpr,
+    ):
+        """Min and max timestamp of every CHUNK tokens of user b (program b) from its start,
+        at row offsets[b] // CHUNK + b + j (disjoint per user, as the prefill tiles)."""
+        user = tl.program_id(0)
+        start = tl.load(offsets_ptr + user)
+        n = (tl.load(offsets_ptr + user + 1) - start).to(tl.int32)
+        base = start // CHUNK + user
+        for j0 in range(0, n, CHUNK * CHUNKS):
+            j = j0 // CHUNK + tl.arange(0, CHUNKS)  # [CHUNKS] chunk ids in the user
+            pos = j[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # [CHUNKS, CHUNK]
+            inside = pos < n
+            t = tl.load(ts_ptr + start + pos, mask=inside, other=0).to(tl.float64)
+            lo = tl.min(tl.where(inside, t, 1e300), 1)
+            hi = tl.max(tl.where(inside, t, -1e300), 1)
+            row = range_ptr + (base + j) * 2
+            tl.store(row, lo, mask=j * CHUNK < n)
+            tl.store(row + 1, hi, mask=j * CHUNK < n)
+
+    @triton.jit
+    def _ts_range(range_row, first, count, n, CHUNK: tl.constexpr):
+        """Min and max timestamp over chunks first … first+count-1 of a user (``_ts_range_kernel``
+        rows from ``range_row``); chunks at or past the user's end are skipped."""
+        lo = tl.load(range_row + first * 2)
+        hi = tl.load(range_row + first * 2 + 1)
+        for i in tl.static_range(1, count):
+            inside = (first + i) * CHUNK < n
+            lo = tl.minimum(lo, tl.load(range_row + (first + i) * 2, mask=inside, other=1e300))
+            hi = tl.maximum(hi, tl.load(range_row + (first + i) * 2 + 1, mask=inside,
+                                        other=-1e300))  # fmt: skip
+        return lo, hi
+
+    @triton.jit
+    def _key_tile(k_base, v_base, ts_base, cols, end, stride_k, stride_v, D: tl.constexpr,
+                  MASKED: tl.constexpr):  # fmt: skip
+        """K, V [BN, D] and fp64 timestamps [BN] of one user's keys ``cols`` (int32 offsets
+        from the user's head row); with MASKED, keys at or past ``end`` read as zeros (a
+        zero V row adds nothing)."""
+        kv = cols[:, None] * stride_k + tl.arange(0, D)[None, :]
+        vv = cols[:, None] * stride_v + tl.arange(0, D)[None, :]
         if MASKED:
             kmask = cols < end
-            k = tl.load(k_ptr + kv, mask=kmask[:, None], other=0.0)
-            v = tl.load(v_ptr + vv, mask=kmask[:, None], other=0.0)
-            ts_k = tl.load(ts_ptr + tok, mask=kmask, other=0).to(tl.float64)
+            k = tl.load(k_base + kv, mask=kmask[:, None], other=0.0)
+            v = tl.load(v_base + vv, mask=kmask[:, None], other=0.0)
+            ts_k = tl.load(ts_base + cols, mask=kmask, other=0).to(tl.float64)
         else:
-            k = tl.load(k_ptr + kv)
-            v = tl.load(v_ptr + vv)
-            ts_k = tl.load(ts_ptr + tok).to(tl.float64)
+            k = tl.load(k_base + kv)
+            v = tl.load(v_base + vv)
+            ts_k = tl.load(ts_base + cols).to(tl.float64)
         return k, v, ts_k
 
     @triton.jit
     def _prefill_tile(
-        acc, q, rows, ts_q, q_lo, q_hi, n0, n, start, h, k_ptr, v_ptr, ts_ptr, pos_row, tb_row,
-        edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v, half_scale,
-        D: tl.constexpr, NUM_POS: tl.constexpr, NUM_CELLS: tl.constexpr,
-        BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
+        acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row, pos_row,
+        tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v, half_scale,
+        D: tl.constexpr, NUM_CELLS: tl.constexpr, BLOCK_N: tl.constexpr,
+        DIAGONAL: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
     ):  # fmt: skip
         """acc + Σ_j silu(q·k_j/√d + rab) v_j over keys n0 … n0+BLOCK_N-1 (times N)."""
         cols = n0 + tl.arange(0, BLOCK_N)  # [BN] positions in the user
         # (diagonal tiles: keys past the user's end read as zeros and are masked below)
-        k, v, ts_k = _key_tile(k_ptr, v_ptr, ts_ptr, start, cols, n, h, stride_k, stride_v, D,
+        k, v, ts_k = _key_tile(k_base, v_base, ts_base, cols, n, stride_k, stride_v, D,
                                DIAGONAL)  # fmt: skip
-        if DIAGONAL:  # keys past the end take key n0's timestamp: they stretch no range
-            ts_k = tl.where(cols < n, ts_k, tl.load(ts_ptr + start + n0).to(tl.float64))
         s = _scores(q, k, IEEE)  # [BM, BN] fp32
-        rel = rows[:, None] - cols[None, :]  # >= 1 below the diagonal; padding rows clamped
-        if DIAGONAL:
-            rel = tl.maximum(rel, 0)
-        bias = tl.load(pos_row + tl.minimum(rel, NUM_POS - 1))
-        bias = _add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, edges_ptr, tb_row, cell_edge_ptr,
-                              cell_base_ptr, NUM_CELLS)  # fmt: skip
+        # i - j needs no clamp: the padded row covers the diagonal and the padding rows
+        bias = tl.load(pos_row + (rows[:, None] - n0) - tl.arange(0, BLOCK_N)[None, :])
+        k_lo, k_hi = _ts_range(range_row, n0 // BLOCK_N, 1, n, BLOCK_N)
+        bias = _add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
+                              cell_edge_ptr, cell_base_ptr, NUM_CELLS)  # fmt: skip
         w = _silu_half((s * half_scale).to(tl.float32) + bias, FAST)
         if DIAGONAL:
             w = tl.where(cols[None, :] <= rows[:, None], w, 0.0)
@@ -372,7 +419,8 @@ if triton is not None:
         v_ptr,  # [T, H, D]
         ts_ptr,  # [T] int64
         offsets_ptr,  # [B + 1] int64
-        pos_ptr,  # [H, NUM_POS] fp32 (``bias_tables``, as the next three)
+        range_ptr,  # [T // BLOCK_N + B + 1, 2] fp64 (``_ts_range_kernel``, CHUNK = BLOCK_N)
+        pos_ptr,  # [H, POS_PAD + NUM_POS + POS_PAD] fp32 (``bias_tables``, as the next three)
         tb_ptr,  # [H, NUM_TIME] fp32
         cell_edge_ptr,  # [NUM_CELLS] fp64
         cell_base_ptr,  # [NUM_CELLS] int32
@@ -389,6 +437,7 @@ if triton is not None:
         NUM_POS: tl.constexpr,
         NUM_TIME: tl.constexpr,
         NUM_CELLS: tl.constexpr,
+        POS_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         USER_CHUNK: tl.constexpr,
@@ -414,30 +463,33 @@ if triton is not None:
             m0 = (n_tiles - 1 - local) * BLOCK_M  # heaviest tile of the user first
             rows = m0 + tl.arange(0, BLOCK_M)  # [BM] positions in the user
             rmask = rows < n
-            tok = (start + rows).to(tl.int64)
             offs_d = tl.arange(0, D)
-            q = tl.load(q_ptr + tok[:, None] * stride_q + h * D + offs_d[None, :],
-                        mask=rmask[:, None], other=0.0)  # fmt: skip
-            ts_q = tl.load(ts_ptr + tok, mask=rmask, other=0).to(tl.float64)
-            # padding rows take row m0's timestamp: they stretch no range
-            ts_q = tl.where(rmask, ts_q, tl.load(ts_ptr + start + m0).to(tl.float64))
-            q_lo, q_hi = tl.reduce((ts_q, ts_q), 0, _min_max)
-            pos_row = pos_ptr + h * NUM_POS
+            # The user's head rows; tiles index them with int32 offsets.
+            q_base = q_ptr + start * stride_q + h * D
+            k_base = k_ptr + start * stride_k + h * D
+            v_base = v_ptr + start * stride_v + h * D
+            ts_base = ts_ptr + start
+            q = tl.load(q_base + rows[:, None] * stride_q + offs_d[None, :], mask=rmask[:, None],
+                        other=0.0)  # fmt: skip
+            ts_q = tl.load(ts_base + rows, mask=rmask, other=0).to(tl.float64)
+            range_row = range_ptr + (start // BLOCK_N + user) * 2
+            q_lo, q_hi = _ts_range(range_row, m0 // BLOCK_N, BLOCK_M // BLOCK_N, n, BLOCK_N)
+            pos_row = pos_ptr + h * (NUM_POS + 2 * POS_PAD) + POS_PAD
             tb_row = tb_ptr + h * NUM_TIME
             acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
             for n0 in range(0, m0, BLOCK_N):  # below the diagonal: no mask
                 acc = _prefill_tile(
-                    acc, q, rows, ts_q, q_lo, q_hi, n0, n, start, h, k_ptr, v_ptr, ts_ptr,
+                    acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
                     pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
-                    half_scale, D, NUM_POS, NUM_CELLS, BLOCK_N, False, IEEE, FAST,
+                    half_scale, D, NUM_CELLS, BLOCK_N, False, IEEE, FAST,
                 )  # fmt: skip
             for n0 in range(m0, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the diagonal
                 acc = _prefill_tile(
-                    acc, q, rows, ts_q, q_lo, q_hi, n0, n, start, h, k_ptr, v_ptr, ts_ptr,
+                    acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
                     pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
-                    half_scale, D, NUM_POS, NUM_CELLS, BLOCK_N, True, IEEE, FAST,
+                    half_scale, D, NUM_CELLS, BLOCK_N, True, IEEE, FAST,
                 )  # fmt: skip
-            out = out_ptr + (tok[:, None] * H + h) * D + offs_d[None, :]
+            out = out_ptr + ((start + rows)[:, None] * H + h) * D + offs_d[None, :]
             acc = (acc * inv_divisor).to(out_ptr.dtype.element_ty)  # the constant N, once
             tl.store(out, acc, mask=rmask[:, None])
 
@@ -451,7 +503,7 @@ if triton is not None:
         v_ptr,  # [T, H, D]
         ts_ptr,  # [T]
         offsets_ptr,  # [B + 1]
-        pos_ptr,  # [H, NUM_POS] fp32 (``bias_tables``, as the next two)
+        pos_ptr,  # [H, POS_PAD + NUM_POS + POS_PAD] fp32 (``bias_tables``, as the next three)
         tb_ptr,  # [H, NUM_TIME] fp32
         cell_edge_ptr,  # [NUM_CELLS] fp64
         cell_base_ptr,  # [NUM_CELLS] int32
@@ -470,6 +522,7 @@ if triton is not None:
         NUM_POS: tl.constexpr,
         NUM_TIME: tl.constexpr,
         NUM_CELLS: tl.constexpr,
+        POS_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr,
@@ -493,12 +546,14 @@ if triton is not None:
             crow = user * stride_cb + cand.to(tl.int64) * stride_cc + h * D  # [BM]
             q = tl.load(qc_ptr + crow[:, None] + offs_d[None, :], mask=cmask[:, None], other=0.0)
             ts_q = tl.load(query_ts_ptr + user).to(tl.float64)
-            pos_row = pos_ptr + h * NUM_POS
+            pos_row = pos_ptr + h * (NUM_POS + 2 * POS_PAD) + POS_PAD
             tb_row = tb_ptr + h * NUM_TIME
+            k_base = k_ptr + start * stride_k + h * D
+            v_base = v_ptr + start * stride_v + h * D
             acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
             for n0 in range(k_start, k_end, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
-                k, v, ts_k = _key_tile(k_ptr, v_ptr, ts_ptr, start, cols, k_end, h, stride_k,
+                k, v, ts_k = _key_tile(k_base, v_base, ts_ptr + start, cols, k_end, stride_k,
                                        stride_v, D, True)  # fmt: skip
                 s = _scores(q, k, IEEE)  # [BM, BN]
                 bias = _key_rab(n - cols, ts_q - ts_k, pos_row, tb_row, cell_edge_ptr,
@@ -525,21 +580,21 @@ if triton is not None:
     def bias_tables(
         pos_bias: torch.Tensor, time_bias: torch.Tensor, edges: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        """The kernels' tables (one small launch per call): pos_bias / 2 [H, NUM_POS] and
-        time_bias / 2 [H, NUM_TIME] fp32, per head; per cell its edge [NUM_CELLS] fp64 and
-        the buckets below it [NUM_CELLS] int32."""
+        """The kernels' tables (one small launch per call): pos_bias / 2 [H, NUM_POS] (with
+        POS_PAD zeros either side) and time_bias / 2 [H, NUM_TIME] fp32, per head; per cell
+        its edge [NUM_CELLS] fp64 and the buckets below it [NUM_CELLS] int32."""
         num_time, num_heads = time_bias.shape
         num_pos = pos_bias.shape[0]
         dev = time_bias.device
         pos_bias, time_bias = pos_bias.contiguous(), time_bias.contiguous()
-        pos = torch.empty(num_heads, num_pos, dtype=torch.float32, device=dev)
+        pos = torch.empty(num_heads, num_pos + 2 * POS_PAD, dtype=torch.float32, device=dev)
         tb = torch.empty(num_heads, num_time, dtype=torch.float32, device=dev)
         cell_edge = torch.empty(NUM_CELLS, dtype=torch.float64, device=dev)
         cell_base = torch.empty(NUM_CELLS, dtype=torch.int32, device=dev)
         torch.library.wrap_triton(_bias_table_kernel)[(num_heads,)](
             pos_bias, edges, time_bias, pos, tb, cell_edge, cell_base, H=num_heads,
             NUM_POS=num_pos, NUM_TIME=num_time, NT_P2=triton.next_power_of_2(num_time),
-            NUM_CELLS=NUM_CELLS, CHUNK=1024,
+            NUM_CELLS=NUM_CELLS, POS_PAD=POS_PAD, CHUNK=1024,
         )  # fmt: skip
         return pos, tb, cell_edge, cell_base
 
@@ -567,13 +622,22 @@ if triton is not None:
         num_users = offsets.shape[0] - 1
         edges = edges.contiguous()
         tables = bias_tables(pos_bias, time_bias, edges)
+        # Timestamp range of every BLOCK_N keys of every user (a key tile's, or a few for a
+        # query tile), so tiles need no reductions over timestamps.
+        ranges = torch.empty(
+            (num_tokens // block_n + num_users + 1) * 2, dtype=torch.float64, device=q.device
+        )
+        torch.library.wrap_triton(_ts_range_kernel)[(num_users,)](
+            ts, offsets, ranges, CHUNK=block_n, CHUNKS=max(1, 1024 // block_n),
+        )  # fmt: skip
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         grid = (num_tokens // block_m + num_users + 1, num_heads)
         torch.library.wrap_triton(_prefill_kernel)[grid](
-            q, k, v, ts, offsets, *tables, edges, out, num_users, q.stride(0), k.stride(0),
-            v.stride(0), 0.5 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads, D=head_dim,
-            NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0], NUM_CELLS=NUM_CELLS,
-            BLOCK_M=block_m, BLOCK_N=block_n, USER_CHUNK=USER_CHUNK, IEEE=q.dtype == torch.float32,
+            q, k, v, ts, offsets, ranges, *tables, edges, out, num_users, q.stride(0),
+            k.stride(0), v.stride(0), 0.5 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads,
+            D=head_dim, NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
+            NUM_CELLS=NUM_CELLS, POS_PAD=POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n,
+            USER_CHUNK=USER_CHUNK, IEEE=q.dtype == torch.float32,
             FAST=fast_silu_allowed(fast, q), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         return out
@@ -625,7 +689,7 @@ if triton is not None:
             per_split, qc.stride(0), qc.stride(1), k.stride(0), v.stride(0),
             0.5 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads, D=head_dim,
             NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0], NUM_CELLS=NUM_CELLS,
-            BLOCK_M=block_m, BLOCK_N=block_n, IEEE=qc.dtype == torch.float32,
+            POS_PAD=POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=qc.dtype == torch.float32,
             FAST=fast_silu_allowed(fast, qc), ATOMIC=atomic, num_warps=num_warps,
             num_stages=num_stages,
         )  # fmt: skip

@@ -236,6 +236,8 @@ def test_check_inputs() -> None:
         pfa.check_inputs(q[..., :12], q[..., :12], q[..., :12], 128, 64)
     with pytest.raises(ModelError, match="multiple of BLOCK_N"):
         pfa.check_inputs(q, q, q, 64, 128)
+    with pytest.raises(ModelError, match="both <="):
+        pfa.check_inputs(q, q, q, 256, 64)
     pfa.check_inputs(q, q, q, 128, 64)
 
 
@@ -272,7 +274,8 @@ if pfa.triton_available():
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
         dt = tl.load(dt_ptr + i, mask=mask, other=0).to(tl.float64)
-        pos_row, tb_row = pos_ptr + NUM_POS, tb_ptr + NUM_TIME
+        pos_row = pos_ptr + (NUM_POS + 2 * pfa.POS_PAD) + pfa.POS_PAD
+        tb_row = tb_ptr + NUM_TIME
         rel = tl.zeros([BLOCK], dtype=tl.int32)
         key = pfa._key_rab(rel, dt, pos_row, tb_row, cell_edge_ptr, cell_base_ptr, NUM_POS,
                            NUM_CELLS)  # fmt: skip
@@ -280,8 +283,9 @@ if pfa.triton_available():
         ts_q = tl.zeros([16], dtype=tl.float64)
         q_lo, q_hi = tl.reduce((ts_q, ts_q), 0, pfa._min_max)
         zero = tl.zeros([16, BLOCK], dtype=tl.float32)
-        tile = pfa._add_time_bias(zero, ts_q, dt, q_lo, q_hi, edges_ptr, tb_row, cell_edge_ptr,
-                                  cell_base_ptr, NUM_CELLS)  # fmt: skip
+        k_lo, k_hi = tl.reduce((dt, dt), 0, pfa._min_max)
+        tile = pfa._add_time_bias(zero, ts_q, dt, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
+                                  cell_edge_ptr, cell_base_ptr, NUM_CELLS)  # fmt: skip
         tl.store(tile_out_ptr + i, tl.max(tile, 0) * 2.0, mask=mask)
 
 
@@ -306,7 +310,8 @@ def _probe_time_bias(device: str) -> None:
     want_time = time_bias[torch.bucketize(dt.abs(), edges, right=True), 1]
     dev = [t.to(device) for t in (dt, pos_bias, time_bias, edges)]
     tables = pfa.bias_tables(dev[1], dev[2], dev[3])
-    assert torch.equal(tables[0].cpu() * 2, pos_bias.t())
+    pad = pfa.POS_PAD
+    assert torch.equal(tables[0].cpu()[:, pad:-pad] * 2, pos_bias.t())
     key = torch.zeros(dt.shape[0], device=device)
     tile = torch.zeros(dt.shape[0], device=device)
     block = 256
