@@ -199,6 +199,13 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int
         )
 
 
+def _check_offsets(max_len: int, *rows: torch.Tensor) -> None:
+    """Tiles address a user's rows with int32 offsets from the user's first row."""
+    stride = max(x.stride(0) for x in rows)
+    if (max_len + POS_PAD) * stride >= 2**31:
+        raise ModelError(f"max_seq_len={max_len} x row stride {stride} overflows int32 offsets")
+
+
 def _heads_strided(x: torch.Tensor) -> torch.Tensor:
     """x itself when its last two axes are dense [H, d] (the projection's views are),
     else a contiguous copy: the kernels take the other strides as arguments."""
@@ -618,6 +625,7 @@ if triton is not None:
         bench/h200_bench.py sweeps them). Returns [T, H, d] in q's dtype."""
         q, k, v = _heads_strided(q), _heads_strided(k), _heads_strided(v)
         ts, offsets = ts.contiguous(), offsets.contiguous()  # indexed as dense vectors
+        _check_offsets(pos_bias.shape[0], q, k, v)
         num_tokens, num_heads, head_dim = q.shape
         num_users = offsets.shape[0] - 1
         edges = edges.contiguous()
@@ -667,6 +675,7 @@ if triton is not None:
         if kc.stride() != qc.stride() or vc.stride() != qc.stride():
             qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
         k, v = _heads_strided(k), _heads_strided(v)
+        _check_offsets(pos_bias.shape[0], k, v)
         ts, offsets, query_ts = ts.contiguous(), offsets.contiguous(), query_ts.contiguous()
         num_users, num_cands, num_heads, head_dim = qc.shape
         tables = bias_tables(pos_bias, time_bias, edges.contiguous())

@@ -390,9 +390,10 @@ def test_prefill_long_histories() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", pfa.PREFILL_LAUNCHES)
-def test_prefill_bf16_every_launch(launch: tuple[int, int, int, int]) -> None:
-    """Every launch shape the sweep times, in bf16 (the dtype it is timed in)."""
+@pytest.mark.parametrize("launch", pfa.PREFILL_LAUNCHES[:2])
+def test_prefill_bf16(launch: tuple[int, int, int, int]) -> None:
+    """The default launch and the 8-warp one in bf16; the kernel sweep checks every other
+    launch shape against the fp32 reference (its rel_err_vs_fp32 column)."""
     _cuda()
     exact = make_jagged([*edge_lengths(16, 3), 1100], "cuda", seed=3, heads=4, head_dim=128)
     low = exact.to(torch.bfloat16)
