@@ -51,10 +51,11 @@ from streamrec.schemas.events import Event, InteractionEvent, PlaybackEvent
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
 from streamrec.tools.demo import train_demo_model, worker_config
 from streamrec.tools.devbroker import DevBroker
-from streamrec.worker.app import App, serving_scoring
+from streamrec.worker.app import App
 from streamrec.worker.config import WorkerConfig
 from streamrec.worker.model_loader import LoadedModel, load_model
 from streamrec.worker.serving_pipeline import Published
+from streamrec.worker.serving_stack import serving_scoring
 
 _DURATION_MS = 200_000
 _PLAYED_MS = (190_000, 100_000, 10_000)  # complete, partial, skip

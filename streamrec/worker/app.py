@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Set
@@ -30,16 +29,10 @@ from aiokafka.errors import KafkaError
 
 from streamrec.cache.history_backends import open_history_store
 from streamrec.cache.history_store import HistoryStore
-from streamrec.cache.host_tier import HostTier
-from streamrec.cache.kv_cache import KVCache, KVCacheConfig
-from streamrec.cache.kv_tiers import KVTiers
 from streamrec.errors import StreamrecError
-from streamrec.models.config import HSTUConfig
 from streamrec.pipeline.engine import Engine, EngineConfig
-from streamrec.pipeline.graphed_model import GraphConfig, GraphedModel
+from streamrec.pipeline.graphed_model import GraphedModel
 from streamrec.pipeline.micro_batcher import MicroBatcher
-from streamrec.pipeline.scoring_config import ScoringConfig
-from streamrec.pipeline.serving_model import ServingModel
 from streamrec.worker.checkpoint import Checkpoint
 from streamrec.worker.config import WorkerConfig
 from streamrec.worker.consumer import TP, KafkaInput
@@ -53,11 +46,11 @@ from streamrec.worker.offset_tracker import OffsetTracker, OffsetTrackerStats
 from streamrec.worker.publisher import Publisher
 from streamrec.worker.rebalance import RebalanceListener
 from streamrec.worker.serving_pipeline import PublishedHook, ServingPipeline
+from streamrec.worker.serving_stack import build_tiers, serving_model, serving_scoring
 
 log = logging.getLogger(__name__)
 
 _FETCH_TIMEOUT_MS: Final = 100
-_CPU_KV_BUDGET_CAP: Final = 256 << 20  # auto-sized KV pool on the CPU: RAM is shared
 
 
 @dataclass(frozen=True)
@@ -176,13 +169,9 @@ class App:
         hstu = loaded.checkpoint.config
         if self._store is None:
             self._store = open_history_store(self.config.store.url, hstu.max_seq_len)
-        tiers = self._build_tiers(loaded)
+        tiers = build_tiers(self.config.cache, loaded)
         scoring = serving_scoring(self.config.scoring, hstu)
-        model: ServingModel = loaded.model
-        # AOTI packages are not captured: their input checks read values on the host.
-        graphs = self.config.model.cuda_graphs and loaded.backend == "eager"
-        if loaded.device.type == "cuda" and graphs:
-            model = await asyncio.to_thread(self._capture_graphs, model, tiers.cache, scoring, hstu)
+        model = await asyncio.to_thread(serving_model, self.config, loaded, tiers.cache, scoring)
         scoped = LogScopedStore(self._store)
         vocab = loaded.checkpoint.vocab
         name, version = loaded.checkpoint.model_name, loaded.checkpoint.version
@@ -232,54 +221,6 @@ class App:
             },
         )
         return checkpoint, scoped
-
-    def _capture_graphs(
-        self, model: ServingModel, cache: KVCache, scoring: ScoringConfig, hstu: HSTUConfig
-    ) -> GraphedModel:
-        """Capture extend and rank as CUDA graphs now, so no step pays for a capture.
-
-        Buckets are powers of two: extend up to ``graph_max_tokens`` new tokens (a step
-        can carry several events per user), rank up to the batcher's ``max_batch_users``.
-        """
-        max_tokens = self.config.model.graph_max_tokens
-        buckets = tuple(1 << i for i in range(max_tokens.bit_length()))
-        max_users = self.config.batching.max_batch_users
-        rank = [b for b in buckets if b < 2 * max_users] if scoring.num_candidates else []
-        config = GraphConfig(
-            max_blocks=-(-hstu.max_seq_len // cache.config.block_size) + 1,
-            num_candidates=max(1, scoring.num_candidates),
-            buckets=buckets,
-        )
-        graphed = GraphedModel(model, cache.kv, cache.ts, config)
-        graphed.warm_up(extend=buckets, rank=rank)
-        log.info(
-            "CUDA graphs captured",
-            extra={"graphs": graphed.stats.captures, "seconds": round(graphed.stats.capture_s, 1)},
-        )
-        return graphed
-
-    def _build_tiers(self, loaded: LoadedModel) -> KVTiers:
-        hstu = loaded.checkpoint.config
-        c = self.config.cache
-        geometry = KVCacheConfig(
-            hstu.num_layers, hstu.num_heads, hstu.head_dim, c.block_size, hstu.torch_dtype
-        )
-        if c.kv_budget_bytes:
-            cache = KVCache.from_budget(geometry, loaded.device, budget_bytes=c.kv_budget_bytes)
-        elif loaded.device.type == "cpu":  # RAM is shared with everything else: cap it
-            cache = KVCache.from_budget(
-                geometry,
-                loaded.device,
-                free_fraction=c.kv_budget_fraction,
-                cap_bytes=_CPU_KV_BUDGET_CAP,
-            )
-        else:
-            cache = KVCache.from_budget(geometry, loaded.device, free_fraction=c.kv_budget_fraction)
-        # A host tier only pays off behind a GPU pool; on the CPU it would copy RAM to RAM.
-        host = None
-        if c.host_tier_bytes > 0 and loaded.device.type == "cuda":
-            host = HostTier.from_budget(cache, c.host_tier_bytes)
-        return KVTiers(cache, host, hstu.max_seq_len)
 
     async def _serve(self, pipeline: ServingPipeline) -> None:
         try:
@@ -385,22 +326,6 @@ class App:
     def _ready(self) -> Response:
         answer = self.health.ready()
         return Response(200 if answer.ok else 503, (answer.reason + "\n").encode())
-
-
-def serving_scoring(scoring: ScoringConfig, hstu: HSTUConfig) -> ScoringConfig:
-    """The scoring the worker serves with: the configured sizes, clamped to the catalogue
-    (a small model may have fewer items than ``num_candidates``), and the task weights
-    restricted to the model's tasks. The offline recompute must use the same."""
-    retrievable = hstu.num_items - hstu.first_item_row
-    exclude = min(scoring.exclude_recent, max(retrievable - 1, 0))
-    pool = max(1, min(scoring.num_candidates, retrievable - exclude))
-    return dataclasses.replace(
-        scoring,
-        top_k=min(scoring.top_k, pool),
-        num_candidates=pool if scoring.num_candidates else 0,
-        exclude_recent=exclude,
-        task_weights={k: v for k, v in scoring.task_weights.items() if k in hstu.task_names},
-    )
 
 
 async def _finish(task: asyncio.Task[None], timeout_s: float) -> bool:

@@ -34,7 +34,7 @@ from streamrec.schemas.records import DeadLetter, Recommendation
 from streamrec.schemas.validation import ErrorKind
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER
 from streamrec.worker import serving_pipeline
-from streamrec.worker.app import App, serving_scoring
+from streamrec.worker.app import App
 from streamrec.worker.config import (
     CacheConfig,
     GroupConfig,
@@ -46,6 +46,7 @@ from streamrec.worker.config import (
     TopicsConfig,
     WorkerConfig,
 )
+from streamrec.worker.serving_stack import serving_scoring
 
 PARTITIONS = 4
 MAX_RECORD_BYTES = 2_048
