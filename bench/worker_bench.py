@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import json
 import multiprocessing as mp
 import sys
@@ -61,7 +62,6 @@ from bench._report import RESULTS_DIR, print_table, write_results
 from bench.engine_bench import SMALL, WORKLOADS, _model, _preload
 from bench.null_model import NULL_GEOMETRY, null_checkpoint_parts
 from bench.reference_config import ReferenceWorkload
-from streamrec.cache.history_backends import open_history_store
 from streamrec.cache.kv_cache import KVCacheConfig, free_memory_bytes
 from streamrec.errors import BrokerError, ConfigError
 from streamrec.models.checkpoint import Checkpoint
@@ -69,11 +69,24 @@ from streamrec.models.paged_attention import triton_available
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import PlaybackEvent
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
-from streamrec.tools.devbroker import DevBroker
 from streamrec.worker import config as wc
 from streamrec.worker.app import App
 from streamrec.worker.model_loader import LoadedModel
 
+
+def _moved(new: str, old: str, name: str) -> Any:
+    """The same bench drives the worker as of 0ec88f9 (before issue 13), copied into that
+    tree, for the before/after ratio of one device run; a few names moved since."""
+    try:
+        return getattr(importlib.import_module(new), name)
+    except ImportError:  # pragma: no cover - only inside the "before" tree
+        return getattr(importlib.import_module(old), name)
+
+
+open_history_store = _moved(
+    "streamrec.cache.history_backends", "streamrec.cache.history_store", "open_history_store"
+)
+DevBroker = _moved("streamrec.tools.devbroker", "streamrec.worker.devbroker", "DevBroker")
 IntArray = npt.NDArray[np.int64]
 Row = dict[str, Any]
 BLOCK_SIZE = 16

@@ -150,6 +150,9 @@ class Stream:
     records: list[tuple[str, bytes, bytes]] = field(default_factory=list)  # topic, key, value
     valid: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # user -> events
     malformed: dict[bytes, str] = field(default_factory=dict)  # value -> expected kind
+    # user -> event times in produce order; increasing per user, so it is also the order
+    # the worker must apply them in across the user's two partitions
+    ts: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
 
     @property
     def users(self) -> list[str]:
@@ -204,6 +207,7 @@ def make_stream(
             topic = topics.interaction
         stream.records.append((topic, user.encode(), encode_event(event)))
         stream.valid[user] += 1
+        stream.ts[user].append(ts[user])
     return stream
 
 
@@ -424,13 +428,17 @@ def assert_end_state(
     histories: Mapping[str, History],
     latest: Mapping[str, Recommendation],
     max_seq_len: int = 64,
+    order: Mapping[str, list[int]] | None = None,
 ) -> None:
     """The worker issue's end-state check: every valid event applied exactly once (nothing
-    lost, no token duplicated), every user's last list covers all its events and equals
-    the offline recompute."""
+    lost, no token duplicated), in order when ``order`` gives each user's event times,
+    every user's last list covers all its events and equals the offline recompute."""
     for user, count in valid.items():
         assert histories[user].total_appended == count, (user, histories[user].total_appended)
         assert len(histories[user]) == min(count, max_seq_len), user
+        if order is not None:
+            kept = len(histories[user])
+            assert histories[user].ts.tolist() == order[user][-kept:], user
     assert {u: r.version for u, r in latest.items()} == dict(valid)
     assert_matches_recompute(model_dir, config, {u: histories[u] for u in valid}, latest)
 
