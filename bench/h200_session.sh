@@ -57,6 +57,33 @@ for stage in "$@"; do
         --events 60000 --rates 2000 5000 10000 20000 --seconds 10 --drain-s 40 \
         --max-batch-users 256 --warm-wave 32 --partitions 4 $flags 2>&1 | tail -12
       cp bench/results/worker_bench_hstu-8l_cuda.json "$OUT/$stage.json" 2>/dev/null ;;
+    host13)  # issue 13: what the host path alone sustains (null model), before and after.
+      # The worker as of 0ec88f9 sits in .carry/before with this bench copied in.
+      hc="--config hstu-8l --host-ceiling --users 2000 --events 100000 --rates 10000 20000
+          50000 80000 --seconds 5 --drain-s 15 --max-batch-users 256 --partitions 8"
+      mkdir -p "$OUT/res"
+      res=$(cd "$OUT/res" && pwd)
+      if [ -d .carry/before ]; then
+        (cd .carry/before && timeout 240 python3 -m bench.worker_bench $hc --machine h200-host \
+          --label before --results-dir "$res" 2>&1 | tail -7)
+      fi
+      timeout 240 python3 -m bench.worker_bench $hc --machine h200-host --label after \
+        --results-dir "$res" 2>&1 | tail -7
+      cp "$res/worker_host_ceiling.json" "$OUT/" 2>/dev/null ;;
+    worker13)  # issue 13: the default serving configuration, HSTU-8L, before and after,
+      # each under py-spy (raw stacks: the loop profile of BENCHMARKS.md)
+      w8="--config hstu-8l --device cuda --users 2000 --events 60000 --rates 2000 5000 10000
+          --seconds 8 --drain-s 20 --max-batch-users 256 --partitions 4"
+      spy=""; [ -x /tmp/site/bin/py-spy ] && spy="/tmp/site/bin/py-spy record --format raw --threads --rate 97"
+      mkdir -p "$OUT/before" "$OUT/after"
+      if [ -d .carry/before ]; then
+        (cd .carry/before && timeout 280 ${spy:+$spy --output $OUT/before/loop.folded --} \
+          python3 -m bench.worker_bench $w8 --warm-wave 32 --results-dir "$OUT/before" 2>&1 \
+          | grep -v "^py-spy" | tail -6)
+      fi
+      timeout 280 ${spy:+$spy --output $OUT/after/loop.folded --} python3 -m bench.worker_bench \
+        $w8 --warm-wave 256 --results-dir "$OUT/after" 2>&1 | grep -v "^py-spy" | tail -6
+      cp "$OUT/after/worker_bench_hstu-8l_cuda.json" "$OUT/" 2>/dev/null ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"
