@@ -3,10 +3,12 @@
 Sections (``--sections``):
   kernel   fused op vs torch reference, alone: extend (1 query/user) and rank (256
            candidates/user) at batch 64 and history 2048, launch-shape variants, K/V GB/s
-  speedup  (a) full recompute (eager / torch.compile / CUDA graph, best taken) vs the
+  speedup  (a) full recompute (dense: eager / torch.compile; jagged on the fused prefill
+           kernels: CUDA graph, compiled + CUDA graph; the best taken) vs the
            incremental step (extend 1 token + rank 256 candidates over the paged cache,
-           100% hits) for HSTU-3L/8L at batch 1/8/64, p50/p99; (b) incremental with the
-           torch attention vs the fused op, eager vs CUDA-graph replay
+           100% hits) for HSTU-3L/8L at batch 1/8/64/256, p50/p99; (b) incremental with
+           the torch attention vs the fused op, eager vs CUDA-graph replay
+  prefill  the fused prefill kernels alone (bench/h200_prefill.py), also run by kernel
   hitrate  (c) HSTU-8L batch 64: hit rates 100/90/50/0 %, misses onloaded from the
            pinned host tier (streamrec.cache.host_tier) inside the timed step
   aoti     (b) eager vs AOTInductor packages of extend and rank (HSTU-8L), bf16 error
@@ -34,16 +36,20 @@ from bench.h200_common import (
     build_model,
     ceilings,
     full_recompute,
+    fused_recompute,
+    fused_recompute_layer,
     graphed,
     pct,
     time_ms,
 )
+from bench.h200_prefill import prefill_sweep
 from bench.reference_config import BATCH_SIZES, HSTU_3L, HSTU_8L, SPEEDUP_HISTORY_LEN
 from bench.reference_config import ReferenceWorkload as Workload
 from streamrec.cache.block_pool import NoRoom
 from streamrec.cache.host_tier import HostTier
 from streamrec.models import paged_attention as pa
-from streamrec.models.hstu import HSTULayer
+from streamrec.models import prefill_attention as pfa
+from streamrec.models.hstu import HSTU, HSTULayer
 
 # ------------------------------------------------------------------ sections
 
@@ -156,7 +162,7 @@ def kernel_section(
     for (op, bsz), row in sorted(best.items()):
         print(f"best {op} batch {bsz}: {row['launch']} {row['ms']} ms "
               f"({row['kv_pct_copy']}% of copy bandwidth)")  # fmt: skip
-    return rows
+    return rows + prefill_sweep(quick, 20)  # op = prefill / prefill-candidates rows
 
 
 def step_flops_bytes(w: Workload, batch: int, history: int) -> tuple[float, float]:
@@ -175,11 +181,38 @@ def step_flops_bytes(w: Workload, batch: int, history: int) -> tuple[float, floa
     return float(flops), float(weights + 2 * kv)
 
 
+def fused_recompute_paths(
+    model: HSTU, jagged: tuple[torch.Tensor, ...], cand: torch.Tensor, query_ts: torch.Tensor,
+    iters: int, compiled_layer: Any,
+) -> tuple[dict[str, list[float]], torch.Tensor | None]:  # fmt: skip
+    """The full recompute on the fused prefill kernels (jagged), CUDA-graph replayed, eager
+    and with the layer compiled by Inductor: timings and the scores (None if it failed)."""
+    results: dict[str, list[float]] = {}
+    scores = None
+    items, actions, ts, offsets = jagged
+    plain = partial(fused_recompute, model, items, actions, ts, offsets, cand, query_ts)
+    paths: list[tuple[str, Any]] = [("recompute-fused-graph", plain)]
+    if compiled_layer is not None:
+        paths.append(("recompute-fused-compiled-graph", partial(plain, layer_fn=compiled_layer)))
+    for name, fn in paths:
+        try:
+            got = fn()[1].float()
+            results[name] = time_ms(graphed(fn), iters)
+            scores = got if scores is None else scores
+        except Exception as exc:  # report and keep the other paths
+            print(f"{name} failed: {type(exc).__name__}: {exc}"[:400])
+            torch.cuda.synchronize()
+    return results, scores
+
+
 def speedup_section(
     workloads: list[Workload], batches: list[int], iters: int, compile_baseline: bool,
-    ceil: dict[str, float], compile_incremental: bool = False,
+    ceil: dict[str, float], compile_incremental: bool = False, compile_fused: bool = True,
+    backends: tuple[str, ...] = ("torch", "triton"),
 ) -> list[dict[str, object]]:  # fmt: skip
     rows: list[dict[str, object]] = []
+    # One compile serves every layer, batch and workload (tensors-only signature, dynamic).
+    compiled_layer = torch.compile(fused_recompute_layer, dynamic=True) if compile_fused else None
     for w in workloads:
         model = build_model(w)
         compiled = torch.compile(full_recompute, dynamic=False) if compile_baseline else None
@@ -190,16 +223,37 @@ def speedup_section(
             ts = torch.cat([data.hist_ts, data.ts[:, None]], 1)
             cand = data.cand
             args = (model, items, actions, ts, cand, data.ts)
+            starts = torch.arange(batch + 1, device="cuda") * items.shape[1]  # [B+1]
+            jagged = (items.reshape(-1), actions.reshape(-1), ts.reshape(-1), starts)
             results: dict[str, list[float]] = {}
             outputs: dict[str, torch.Tensor] = {}
             with torch.no_grad():
-                base_iters = max(3, iters // 4) if batch >= 64 else iters
-                results["recompute-eager"] = time_ms(partial(full_recompute, *args), base_iters)
-                if compiled is not None:
-                    compiled(*args)
-                    results["recompute-compile"] = time_ms(lambda: compiled(*args), base_iters)  # noqa: B023
-                outputs["recompute"] = full_recompute(*args)[1].float()
-                for backend in ("torch", "triton"):
+                fused_results, fused_scores = fused_recompute_paths(
+                    model, jagged, cand, data.ts, iters, compiled_layer
+                )
+                results.update(fused_results)
+                try:  # dense [B, H, L, L] temporaries: tens of GB at batch 256
+                    base_iters = max(3, iters // 4) if batch >= 64 else iters
+                    base_iters, warm = (2, 1) if batch >= 256 else (base_iters, 3)
+                    dense = partial(full_recompute, *args)
+                    results["recompute-eager"] = time_ms(dense, base_iters, warm)
+                    if compiled is not None:
+                        compiled(*args)
+                        results["recompute-compile"] = time_ms(
+                            lambda: compiled(*args),  # noqa: B023
+                            base_iters, warm,
+                        )  # fmt: skip
+                    outputs["dense"] = dense()[1].float()
+                except torch.OutOfMemoryError:
+                    print(f"{w.name} batch {batch}: dense recompute out of memory")
+                    torch.cuda.empty_cache()
+                if fused_scores is not None:
+                    outputs["fused"] = fused_scores
+                # The incremental step is checked against the dense recompute, else the fused.
+                reference = outputs.get("dense", fused_scores)
+                if reference is not None:
+                    outputs["recompute"] = reference
+                for backend in backends:
                     model.attention_backend = backend
                     step = partial(data.incremental, model)
                     try:
@@ -228,7 +282,7 @@ def speedup_section(
             best_base = min(
                 (k for k in results if k.startswith("recompute")),
                 key=lambda k: pct(results[k], 50),
-            )
+            )  # the best of every recompute path: dense, compiled, fused
             flops, nbytes = step_flops_bytes(w, batch, SPEEDUP_HISTORY_LEN)
             floor_ms = max(flops / ceil["bf16_tflop_s"] / 1e9, nbytes / ceil["copy_gb_s"] / 1e6)
             for name, samples in results.items():
@@ -237,11 +291,14 @@ def speedup_section(
                     "section": "speedup", "workload": w.name, "batch": batch, "path": name,
                     "p50_ms": round(p50, 3), "p99_ms": round(pct(samples, 99), 3),
                     "speedup_vs_best_recompute": round(pct(results[best_base], 50) / p50, 2),
-                    "floor_ms": round(floor_ms, 3),
+                    "best_recompute": best_base, "floor_ms": round(floor_ms, 3),
                 }  # fmt: skip
-                if name.startswith("incremental") and name.split("-")[1] in outputs:
-                    backend = name.split("-")[1]
-                    err = (outputs[backend] - outputs["recompute"]).abs().max()
+                kind = name.split("-")[1]
+                if name.startswith("incremental") and kind in outputs and "recompute" in outputs:
+                    err = (outputs[kind] - outputs["recompute"]).abs().max()
+                    row["max_abs_err_vs_recompute"] = round(float(err), 4)
+                elif kind == "fused" and "fused" in outputs and "dense" in outputs:
+                    err = (outputs["fused"] - outputs["dense"]).abs().max()
                     row["max_abs_err_vs_recompute"] = round(float(err), 4)
                 rows.append(row)
             del data
@@ -364,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--sections", nargs="+", default=["kernel", "speedup", "hitrate"],
-        choices=["kernel", "speedup", "hitrate", "aoti", "profile"],
+        choices=["kernel", "prefill", "speedup", "hitrate", "aoti", "profile"],
     )  # fmt: skip
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCH_SIZES))
     parser.add_argument(
@@ -379,6 +436,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile-incremental", action="store_true",
         help="also time the incremental step compiled by Inductor, in a CUDA graph",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-compile-fused", action="store_true",
+        help="time the fused recompute eager in a CUDA graph only (no torch.compile)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--incremental-backends", nargs="+", default=["torch", "triton"],
+        choices=["torch", "triton"], help="attention backends of the incremental step",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     parser.add_argument("--out", default=None, help="results directory (default bench/results)")
@@ -399,8 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "speedup":
             rows += speedup_section(
                 workloads, args.batches, args.iters, not args.no_compile, ceil,
-                args.compile_incremental,
+                args.compile_incremental, not args.no_compile_fused,
+                tuple(args.incremental_backends),
             )  # fmt: skip
+        elif section == "prefill":
+            with torch.no_grad():
+                rows += prefill_sweep(args.quick, args.iters)
         elif section == "hitrate":
             rows += hitrate_section(max(args.batches), args.iters)
         elif section == "profile":
@@ -408,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rows += aoti_section(args.batches, args.iters)
         print(f"section {section}: {time.perf_counter() - start:.0f} s", flush=True)
-        print_table([r for r in rows if r["section"] == section])
+        own = "kernel" if section == "prefill" else section
+        print_table([r for r in rows if r["section"] == own])
     meta: dict[str, object] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -426,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "target_programs": (pa.TARGET_PROGRAMS, pa.CAND_TARGET_PROGRAMS),
             "decode_mma": (pa.DECODE_MMA, pa.DECODE_MMA_STAGES),
+            "prefill": pfa.PREFILL_LAUNCHES[0],
+            "prefill_candidates": (*pfa.CAND_LAUNCH, pfa.CAND_TARGET_PROGRAMS),
         },
         "sections": args.sections,
         "wall_s": round(time.perf_counter() - t0, 1),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|speedup|rest
+#   bash bench/h200_session.sh tests|kernel|speedup|rest|prefill|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -84,6 +84,17 @@ for stage in "$@"; do
       timeout 280 ${spy:+$spy --output $OUT/after/loop.folded --} python3 -m bench.worker_bench \
         $w8 --warm-wave 256 --results-dir "$OUT/after" 2>&1 | grep -v "^py-spy" | tail -6
       cp "$OUT/after/worker_bench_hstu-8l_cuda.json" "$OUT/" 2>/dev/null ;;
+    prefill)  # issue 14 items 1-2: fused prefill tests, kernel sweep, speedup vs recompute-fused
+      python3 -m pytest -q -s -m gpu tests/models/test_prefill_attention.py \
+        tests/bench/test_h200_common.py -p no:cacheprovider 2>&1 | tee "$OUT/prefill_tests.log" \
+        | grep -E "rel err|torch bf16|fused vs|passed|failed|Error" | tail -40
+      python3 -m bench.h200_bench --sections prefill --iters 20 --out "$OUT/prefill" 2>&1 \
+        | grep -E "^best|^prefill|failed|Error" | tail -40
+      cp "$OUT/prefill/h200.json" "$OUT/h200_prefill_sweep.json"
+      python3 -m bench.h200_bench --sections speedup --workloads HSTU-8L HSTU-3L \
+        --batches 1 8 64 256 --iters 10 --no-compile --incremental-backends triton \
+        --out "$OUT/prefill" 2>&1 | grep -v "^W[0-9]" | tail -45
+      cp "$OUT/prefill/h200.json" "$OUT/h200_speedup_fused.json" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"
