@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import json
 import multiprocessing as mp
 import sys
@@ -492,7 +493,13 @@ async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
     build_s = time.perf_counter() - t0
     plan = make_plan(w, ns, np.random.default_rng(ns.seed))
     budget, blocks = kv_budget(w, plan, geometry(w, ns.host_ceiling))
-    reserve = (ns.warm_wave or ns.users) * w.max_seq_len**2 * (w.num_heads * 2 * 4 + 16)
+    # A dense prefill holds [H, N, N] temporaries per rebuilt user; the fused one (issue
+    # 14, not in the "before" tree) only its [T, ...] activations.
+    fused = importlib.util.find_spec("streamrec.models.prefill_attention") is not None
+    per_user = (
+        w.max_seq_len * w.d_model * 64 if fused else w.max_seq_len**2 * (w.num_heads * 8 + 16)
+    )
+    reserve = (ns.warm_wave or ns.users) * per_user
     if (
         ns.device == "cuda"
         and not ns.host_ceiling
