@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from streamrec.cache.kv_cache import KVCache
+from streamrec.cache.kv_cache import KVCache, to_device
 from streamrec.errors import ConfigError
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
@@ -61,7 +61,7 @@ class Scorer:
             exclude[row, : len(rows)] = rows
         pool = cfg.num_candidates or cfg.top_k
         ret_scores, ret_items = self.model.retrieve(
-            user_emb, pool, torch.from_numpy(exclude).to(device)
+            user_emb, pool, to_device(exclude, device)
         )  # [B, pool] each
         mark("retrieve")
         if not cfg.num_candidates:
@@ -73,7 +73,7 @@ class Scorer:
             mark("rank")
             return out
         tables, lens = self.cache.batch_tables(list(users))  # [B, MB], [B]
-        ts = torch.tensor(list(query_ts), dtype=torch.int64, device=device)  # [B]
+        ts = to_device(np.asarray(query_ts, dtype=np.int64), device)  # [B]
         probs = self.model.rank(
             ret_items, ts, self.cache.kv, self.cache.ts, tables, lens
         ).float()  # [B, pool, tasks]
