@@ -6,7 +6,9 @@ Sections (``--sections``):
   speedup  (a) full recompute (eager / torch.compile / CUDA graph, best taken) vs the
            incremental step (extend 1 token + rank 256 candidates over the paged cache,
            100% hits) for HSTU-3L/8L at batch 1/8/64, p50/p99; (b) incremental with the
-           torch attention vs the fused op, eager vs CUDA-graph replay
+           torch attention vs the fused op, eager vs CUDA-graph replay; with ``--paths
+           ... aoti`` also the AOTI packages (``incremental-aoti-eager`` / ``-graph``) and
+           both backends as the worker serves them (``-graphedmodel``)
   hitrate  (c) HSTU-8L batch 64: hit rates 100/90/50/0 %, misses onloaded from the
            pinned host tier (streamrec.cache.host_tier) inside the timed step
   aoti     (b) eager vs AOTInductor packages of extend and rank (HSTU-8L), bf16 error
@@ -29,7 +31,10 @@ from typing import Any
 import torch
 
 from bench._report import print_table, write_results
+from bench.aoti_packages import CACHE_DIR as AOTI_CACHE_DIR
+from bench.aoti_packages import SPEEDUP_ENTRY_POINTS, reference_model_dir
 from bench.h200_common import (
+    BLOCK_SIZE,
     Batch,
     build_model,
     ceilings,
@@ -43,7 +48,14 @@ from bench.reference_config import ReferenceWorkload as Workload
 from streamrec.cache.block_pool import NoRoom
 from streamrec.cache.host_tier import HostTier
 from streamrec.models import paged_attention as pa
-from streamrec.models.hstu import HSTULayer
+from streamrec.models.aoti_export import ExportConfig, export_model
+from streamrec.models.aoti_runtime import load_package
+from streamrec.models.checkpoint import load_checkpoint
+from streamrec.models.hstu import HSTU, HSTULayer
+from streamrec.pipeline.graphed_model import GraphConfig, GraphedModel
+from streamrec.pipeline.serving_model import ServingModel
+
+SPEEDUP_PATHS = ("recompute", "torch", "triton", "aoti")
 
 # ------------------------------------------------------------------ sections
 
@@ -175,14 +187,64 @@ def step_flops_bytes(w: Workload, batch: int, history: int) -> tuple[float, floa
     return float(flops), float(weights + 2 * kv)
 
 
+def aoti_incremental(
+    model: HSTU, model_dir: Path, data: Batch, iters: int, cache_dir: Path
+) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+    """The incremental step on the AOTI packages of extend and rank (bound to ``model``'s
+    weights, single-threaded runners): called directly (``incremental-aoti-eager``, input
+    checks included) and captured whole in one CUDA graph like ``incremental-triton-graph``
+    (``incremental-aoti-graph``); then both backends as the worker serves them
+    (``-graphedmodel``: GraphedModel's per-call graphs, bucket padding, and for AOTI the
+    host-side input check before each replay). Returns timings and rank outputs."""
+    package = export_model(
+        model_dir, "cuda", cache_dir, config=ExportConfig(entry_points=SPEEDUP_ENTRY_POINTS),
+        progress=print, jobs=len(SPEEDUP_ENTRY_POINTS),
+    )  # fmt: skip
+    aoti = load_package(package, torch.device("cuda"), model, entry_points=SPEEDUP_ENTRY_POINTS)
+    results: dict[str, list[float]] = {}
+    outputs: dict[str, torch.Tensor] = {}
+
+    def probs(m: ServingModel) -> torch.Tensor:
+        return data.incremental(m)[1].float().view(data.batch, -1, model.config.num_tasks)
+
+    results["incremental-aoti-eager"] = time_ms(partial(data.incremental, aoti), iters)
+    outputs["aoti-eager"] = probs(aoti)
+    results["incremental-aoti-graph"] = time_ms(
+        graphed(partial(data.incremental, aoti.unchecked())), iters
+    )
+    outputs["aoti-graph"] = probs(aoti)  # the graph replays the same calls
+    config = GraphConfig(
+        max_blocks=-(-model.config.max_seq_len // BLOCK_SIZE) + 1,
+        num_candidates=data.cands,
+        buckets=(data.batch,),
+    )
+    for name, backend in (("triton", model), ("aoti", aoti)):
+        served = GraphedModel(backend, data.cache.kv, data.cache.ts, config)
+        served.warm_up()
+        outputs[f"{name}-graphedmodel"] = probs(served)
+        results[f"incremental-{name}-graphedmodel"] = time_ms(
+            partial(data.incremental, served), iters
+        )
+        if served.stats.eager_calls or served.stats.failed:
+            print(f"graphedmodel {name}: {served.stats}")
+    return results, outputs
+
+
 def speedup_section(
     workloads: list[Workload], batches: list[int], iters: int, compile_baseline: bool,
     ceil: dict[str, float], compile_incremental: bool = False,
+    paths: tuple[str, ...] = ("recompute", "torch", "triton"), aoti_cache: Path = AOTI_CACHE_DIR,
 ) -> list[dict[str, object]]:  # fmt: skip
     rows: list[dict[str, object]] = []
     for w in workloads:
-        model = build_model(w)
-        compiled = torch.compile(full_recompute, dynamic=False) if compile_baseline else None
+        model_dir = reference_model_dir(w) if "aoti" in paths else None
+        # The AOTI packages are compiled for the reference model directory's weights.
+        model = load_checkpoint(model_dir, "cuda").model if model_dir else build_model(w)
+        compiled = (
+            torch.compile(full_recompute, dynamic=False)
+            if compile_baseline and "recompute" in paths
+            else None
+        )
         for batch in batches:
             data = Batch(model, batch, SPEEDUP_HISTORY_LEN, w.num_candidates, seed=batch)
             items = torch.cat([data.hist_items, data.items[:, None]], 1)  # [B, L+1]
@@ -194,12 +256,13 @@ def speedup_section(
             outputs: dict[str, torch.Tensor] = {}
             with torch.no_grad():
                 base_iters = max(3, iters // 4) if batch >= 64 else iters
-                results["recompute-eager"] = time_ms(partial(full_recompute, *args), base_iters)
+                if "recompute" in paths:
+                    results["recompute-eager"] = time_ms(partial(full_recompute, *args), base_iters)
                 if compiled is not None:
                     compiled(*args)
                     results["recompute-compile"] = time_ms(lambda: compiled(*args), base_iters)  # noqa: B023
                 outputs["recompute"] = full_recompute(*args)[1].float()
-                for backend in ("torch", "triton"):
+                for backend in [b for b in ("torch", "triton") if b in paths]:
                     model.attention_backend = backend
                     step = partial(data.incremental, model)
                     try:
@@ -225,10 +288,17 @@ def speedup_section(
                         except Exception as exc:  # report and keep the other paths
                             print(f"compiled incremental failed: {type(exc).__name__}: {exc}")
                 model.attention_backend = "auto"
-            best_base = min(
-                (k for k in results if k.startswith("recompute")),
-                key=lambda k: pct(results[k], 50),
-            )
+                if model_dir is not None:
+                    try:
+                        timed, probs = aoti_incremental(model, model_dir, data, iters, aoti_cache)
+                        results.update(timed)
+                        outputs.update(probs)
+                    except Exception as exc:  # report and keep the other paths
+                        print(f"{w.name} batch {batch}: aoti paths failed: "
+                              f"{type(exc).__name__}: {exc}"[:2000])  # fmt: skip
+                        torch.cuda.synchronize()
+            bases = [k for k in results if k.startswith("recompute")]
+            best_base = min(bases, key=lambda k: pct(results[k], 50)) if bases else None
             flops, nbytes = step_flops_bytes(w, batch, SPEEDUP_HISTORY_LEN)
             floor_ms = max(flops / ceil["bf16_tflop_s"] / 1e9, nbytes / ceil["copy_gb_s"] / 1e6)
             for name, samples in results.items():
@@ -236,12 +306,16 @@ def speedup_section(
                 row: dict[str, object] = {
                     "section": "speedup", "workload": w.name, "batch": batch, "path": name,
                     "p50_ms": round(p50, 3), "p99_ms": round(pct(samples, 99), 3),
-                    "speedup_vs_best_recompute": round(pct(results[best_base], 50) / p50, 2),
                     "floor_ms": round(floor_ms, 3),
                 }  # fmt: skip
-                if name.startswith("incremental") and name.split("-")[1] in outputs:
-                    backend = name.split("-")[1]
-                    err = (outputs[backend] - outputs["recompute"]).abs().max()
+                if best_base is not None:
+                    row["speedup_vs_best_recompute"] = round(pct(results[best_base], 50) / p50, 2)
+                # a path's own output where it has one (aoti-*, *-graphedmodel), else its
+                # attention backend's eager output (the graph replays the same calls)
+                own = name.removeprefix("incremental-")
+                got = outputs.get(own, outputs.get(own.split("-")[0]))
+                if name.startswith("incremental") and got is not None:
+                    err = (got - outputs["recompute"]).abs().max()
                     row["max_abs_err_vs_recompute"] = round(float(err), 4)
                 rows.append(row)
             del data
@@ -380,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         "--compile-incremental", action="store_true",
         help="also time the incremental step compiled by Inductor, in a CUDA graph",
     )  # fmt: skip
+    parser.add_argument(
+        "--paths", nargs="+", default=["recompute", "torch", "triton"], choices=SPEEDUP_PATHS,
+        help="speedup paths: recompute baselines, incremental with torch / fused attention, "
+        "AOTI packages (compiled into --aoti-cache-dir unless bench.aoti_packages did it)",
+    )  # fmt: skip
+    parser.add_argument("--aoti-cache-dir", type=Path, default=AOTI_CACHE_DIR)
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     parser.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = parser.parse_args(argv)
@@ -399,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "speedup":
             rows += speedup_section(
                 workloads, args.batches, args.iters, not args.no_compile, ceil,
-                args.compile_incremental,
+                args.compile_incremental, tuple(args.paths), args.aoti_cache_dir,
             )  # fmt: skip
         elif section == "hitrate":
             rows += hitrate_section(max(args.batches), args.iters)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|speedup|rest
+#   bash bench/h200_session.sh tests|kernel|speedup|rest|aoti
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -57,6 +57,22 @@ for stage in "$@"; do
         --events 60000 --rates 2000 5000 10000 20000 --seconds 10 --drain-s 40 \
         --max-batch-users 256 --warm-wave 32 --partitions 4 $flags 2>&1 | tail -12
       cp bench/results/worker_bench_hstu-8l_cuda.json "$OUT/$stage.json" 2>/dev/null ;;
+    aoti)  # issue 15: AOTI gpu tests, incremental-aoti-* speedup paths, start-up to ready.
+      # Packages compile once into .streamrec-cache/bench-aoti (kept on a warm machine):
+      # both workloads and each package's entry points in parallel, the gpu tests' tiny
+      # packages alongside. AOTI_WORKLOADS=HSTU-8L skips 3L (its compile and its rows).
+      wl=${AOTI_WORKLOADS:-HSTU-8L HSTU-3L}
+      export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}
+      python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_aoti_runtime.py \
+        tests/pipeline/test_graphed_model.py > "$OUT/aoti_gpu_tests.log" 2>&1 &
+      tests=$!
+      python3 -m bench.aoti_packages --workloads $wl --out "$OUT" 2>&1 \
+        | grep -v "^W[0-9]\|Warning\|warn(" | tail -14
+      wait $tests; echo "gpu tests:"; grep -E "passed|failed|error|Error" "$OUT/aoti_gpu_tests.log" | tail -8
+      python3 -m bench.h200_bench --sections speedup --paths triton aoti --workloads $wl \
+        --batches 1 8 64 --iters 20 --no-compile --out "$OUT/aoti" 2>&1 | grep -v "^W[0-9]" | tail -32
+      cp "$OUT/aoti/h200.json" "$OUT/h200_aoti_speedup.json" 2>/dev/null
+      python3 -m bench.startup_bench --workload HSTU-8L --out "$OUT" 2>&1 | tail -8 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"

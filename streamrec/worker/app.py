@@ -49,10 +49,9 @@ from streamrec.models.config import HSTUConfig
 from streamrec.pipeline.clock import MonotonicClock
 from streamrec.pipeline.delta import Delta
 from streamrec.pipeline.engine import Engine, EngineConfig, UserResult
-from streamrec.pipeline.graphed_model import GraphConfig, GraphedModel
+from streamrec.pipeline.graphed_model import GraphedModel
 from streamrec.pipeline.micro_batcher import BatcherClosed, BatcherConfig, MicroBatcher
 from streamrec.pipeline.scorer import ScoringConfig
-from streamrec.pipeline.serving_model import ServingModel
 from streamrec.schemas.codec import RawRecord, RejectedRecord, decode_batch
 from streamrec.schemas.events import EventKind
 from streamrec.schemas.records import DeadLetter, Recommendation
@@ -62,7 +61,7 @@ from streamrec.worker.event_time_policy import EventTimePolicy
 from streamrec.worker.http_server import HttpServer, Response
 from streamrec.worker.log_scoped_store import LogScopedStore
 from streamrec.worker.metrics import WorkerMetrics
-from streamrec.worker.model_loader import LoadedModel, load_model
+from streamrec.worker.model_loader import LoadedModel, graphed_serving_model, load_model
 from streamrec.worker.offset_tracker import OffsetTracker, OffsetTrackerStats
 from streamrec.worker.publisher import Publisher
 from streamrec.worker.rebalance import RebalanceListener
@@ -215,12 +214,11 @@ class App:
         tiers = self._build_tiers(loaded)
         scoring = serving_scoring(self.config.model, hstu)
         model, backend = loaded.model, loaded.backend
-        # AOTI packages are not captured: their input checks read values on the host,
-        # which a capture forbids (and AOTI inside a graph is unmeasured on the H200).
-        if loaded.device.type == "cuda" and self.config.model.cuda_graphs and backend == "eager":
-            self._graphed = await asyncio.to_thread(
-                self._capture_graphs, model, tiers.cache, scoring, hstu
-            )
+        self._graphed = await asyncio.to_thread(
+            graphed_serving_model, loaded, tiers.cache, self.config.model,
+            self.config.batching.max_batch_users, scoring.num_candidates,
+        )  # fmt: skip
+        if self._graphed is not None:
             model = self._graphed  # the backend label stays: graphs have their own counter
         self._scoped = LogScopedStore(self._store)
         self.engine = Engine(
@@ -247,31 +245,6 @@ class App:
                 "kv_blocks": tiers.cache.pool.num_blocks,
             },
         )
-
-    def _capture_graphs(
-        self, model: ServingModel, cache: KVCache, scoring: ScoringConfig, hstu: HSTUConfig
-    ) -> GraphedModel:
-        """Capture extend and rank as CUDA graphs now, so no step pays for a capture.
-
-        Buckets are powers of two: extend up to ``graph_max_tokens`` new tokens (a step
-        can carry several events per user), rank up to the batcher's ``max_batch_users``.
-        """
-        max_tokens = self.config.model.graph_max_tokens
-        buckets = tuple(1 << i for i in range(max_tokens.bit_length()))
-        max_users = self.config.batching.max_batch_users
-        rank = [b for b in buckets if b < 2 * max_users] if scoring.num_candidates else []
-        config = GraphConfig(
-            max_blocks=-(-hstu.max_seq_len // cache.config.block_size) + 1,
-            num_candidates=max(1, scoring.num_candidates),
-            buckets=buckets,
-        )
-        graphed = GraphedModel(model, cache.kv, cache.ts, config)
-        graphed.warm_up(extend=buckets, rank=rank)
-        log.info(
-            "CUDA graphs captured",
-            extra={"graphs": graphed.stats.captures, "seconds": round(graphed.stats.capture_s, 1)},
-        )
-        return graphed
 
     def _build_tiers(self, loaded: LoadedModel) -> KVTiers:
         hstu = loaded.checkpoint.config
