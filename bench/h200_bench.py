@@ -49,7 +49,7 @@ from streamrec.cache.block_pool import NoRoom
 from streamrec.cache.host_tier import HostTier
 from streamrec.models import paged_attention as pa
 from streamrec.models.aoti_export import ExportConfig, export_model
-from streamrec.models.aoti_runtime import load_package
+from streamrec.models.aoti_runtime import AOTIModel, load_package
 from streamrec.models.checkpoint import load_checkpoint
 from streamrec.models.hstu import HSTU, HSTULayer
 from streamrec.pipeline.graphed_model import GraphConfig, GraphedModel
@@ -187,20 +187,25 @@ def step_flops_bytes(w: Workload, batch: int, history: int) -> tuple[float, floa
     return float(flops), float(weights + 2 * kv)
 
 
-def aoti_incremental(
-    model: HSTU, model_dir: Path, data: Batch, iters: int, cache_dir: Path
-) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
-    """The incremental step on the AOTI packages of extend and rank (bound to ``model``'s
-    weights, single-threaded runners): called directly (``incremental-aoti-eager``, input
-    checks included) and captured whole in one CUDA graph like ``incremental-triton-graph``
-    (``incremental-aoti-graph``); then both backends as the worker serves them
-    (``-graphedmodel``: GraphedModel's per-call graphs, bucket padding, and for AOTI the
-    host-side input check before each replay). Returns timings and rank outputs."""
+def speedup_aoti_model(model: HSTU, model_dir: Path, cache_dir: Path) -> AOTIModel:
+    """The extend and rank packages of ``model_dir`` (compiled unless bench.aoti_packages
+    did it), single-threaded runners bound to ``model``'s own weights."""
     package = export_model(
         model_dir, "cuda", cache_dir, config=ExportConfig(entry_points=SPEEDUP_ENTRY_POINTS),
         progress=print, jobs=len(SPEEDUP_ENTRY_POINTS),
     )  # fmt: skip
-    aoti = load_package(package, torch.device("cuda"), model, entry_points=SPEEDUP_ENTRY_POINTS)
+    return load_package(package, torch.device("cuda"), model, entry_points=SPEEDUP_ENTRY_POINTS)
+
+
+def aoti_incremental(
+    model: HSTU, aoti: AOTIModel, data: Batch, iters: int
+) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+    """The incremental step on the AOTI packages: called directly
+    (``incremental-aoti-eager``, input checks included) and captured whole in one CUDA
+    graph like ``incremental-triton-graph`` (``incremental-aoti-graph``); then both
+    backends as the worker serves them (``-graphedmodel``: GraphedModel's per-call graphs,
+    bucket padding, and for AOTI the host-side input check before each replay). Returns
+    timings and rank outputs."""
     results: dict[str, list[float]] = {}
     outputs: dict[str, torch.Tensor] = {}
 
@@ -240,6 +245,12 @@ def speedup_section(
         model_dir = reference_model_dir(w) if "aoti" in paths else None
         # The AOTI packages are compiled for the reference model directory's weights.
         model = load_checkpoint(model_dir, "cuda").model if model_dir else build_model(w)
+        aoti = None
+        if model_dir is not None:
+            try:
+                aoti = speedup_aoti_model(model, model_dir, aoti_cache)
+            except Exception as exc:  # report and keep the other paths
+                print(f"{w.name}: no AOTI packages: {type(exc).__name__}: {exc}"[:2000])
         compiled = (
             torch.compile(full_recompute, dynamic=False)
             if compile_baseline and "recompute" in paths
@@ -288,9 +299,9 @@ def speedup_section(
                         except Exception as exc:  # report and keep the other paths
                             print(f"compiled incremental failed: {type(exc).__name__}: {exc}")
                 model.attention_backend = "auto"
-                if model_dir is not None:
+                if aoti is not None:
                     try:
-                        timed, probs = aoti_incremental(model, model_dir, data, iters, aoti_cache)
+                        timed, probs = aoti_incremental(model, aoti, data, iters)
                         results.update(timed)
                         outputs.update(probs)
                     except Exception as exc:  # report and keep the other paths

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
@@ -93,17 +93,22 @@ class PackageLease:
     """A shared lock on one package directory: ``evict`` skips it while it is held.
 
     The serving process keeps its lease for as long as it serves the package (the lock
-    dies with the process, so a crash leaves nothing behind).
+    dies with the process, so a crash leaves nothing behind). A raw descriptor, not a
+    file object: the model holding it may be freed by the cycle collector, where a file
+    object would warn about being closed by its finalizer.
     """
 
-    def __init__(self, handle: IO[str], directory: Path) -> None:
-        self._handle = handle
+    def __init__(self, fd: int | None, directory: Path) -> None:
+        self._fd = fd  # None: a read-only cache, where nothing evicts either
         self.directory = directory
 
     def release(self) -> None:
-        if not self._handle.closed:
-            fcntl.flock(self._handle, fcntl.LOCK_UN)
-            self._handle.close()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing drops the flock
+
+    def __del__(self) -> None:  # the model that held it is gone: so is its use
+        self.release()
 
 
 def sha256_file(path: Path) -> str:
@@ -143,14 +148,21 @@ class PackageCache:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
     def lease(self, key: PackageKey) -> PackageLease:
-        """Mark ``key``'s package as in use (and as used now, for the LRU order)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Mark ``key``'s package as in use (and as used now, for the LRU order).
+
+        On a read-only cache (a package baked into the image) there is nothing to mark
+        and nobody to evict: the lease is empty.
+        """
         path = self._use_file(self.directory(key))
-        handle = path.open("a")
-        fcntl.flock(handle, fcntl.LOCK_SH)
-        with contextlib.suppress(OSError):  # a read-only cache still serves
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            return PackageLease(None, self.directory(key))
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        with contextlib.suppress(OSError):
             os.utime(path)
-        return PackageLease(handle, self.directory(key))
+        return PackageLease(fd, self.directory(key))
 
     def staging(self, key: PackageKey) -> Path:
         """A fresh private directory to build ``key``'s package in (same filesystem)."""

@@ -166,3 +166,18 @@ def test_carry_over_links_the_files_of_the_old_package(tmp_path: Path) -> None:
 def test_bound_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="max_bytes=0"):
         PackageCache(tmp_path, max_bytes=0)
+
+
+def test_a_read_only_cache_still_leases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = PackageCache(tmp_path)
+    publish(cache, KEY)
+
+    def read_only(path: object, *args: object, **kwargs: object) -> int:
+        raise OSError(30, "Read-only file system", str(path))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", read_only)
+        lease = cache.lease(KEY)  # cannot create the use file: an empty lease
+    assert lease.directory == cache.directory(KEY)
+    lease.release()
+    assert not list(tmp_path.glob(".*.use"))
