@@ -17,6 +17,7 @@ HSTU-3L gets ``extend`` and ``rank`` (only the speedup section uses it).
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,8 @@ def reference_model_dir(w: ReferenceWorkload, root: Path = MODELS_DIR) -> Path:
     path = root / w.name
     if (path / META).is_file():
         return path
+    if path.exists():  # a save that did not finish
+        shutil.rmtree(path)
     model = build_model(w)
     cfg = model.config
     names = (f"item{n}" for n in range(cfg.num_items - 1 - cfg.num_oov_buckets))

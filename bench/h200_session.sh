@@ -66,8 +66,8 @@ for stage in "$@"; do
       python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_aoti_runtime.py \
         tests/pipeline/test_graphed_model.py > "$OUT/aoti_gpu_tests.log" 2>&1 &
       tests=$!
-      python3 -m bench.aoti_packages --workloads $wl --out "$OUT" 2>&1 \
-        | grep -v "^W[0-9]\|Warning\|warn(" | tail -14
+      python3 -m bench.aoti_packages --workloads $wl --out "$OUT" > "$OUT/aoti_packages.log" 2>&1
+      grep -E "^aoti|compiled|failed|Error|packages ready|\|" "$OUT/aoti_packages.log" | tail -16
       wait $tests; echo "gpu tests:"; grep -E "passed|failed|error|Error" "$OUT/aoti_gpu_tests.log" | tail -8
       python3 -m bench.h200_bench --sections speedup --paths triton aoti --workloads $wl \
         --batches 1 8 64 --iters 20 --no-compile --out "$OUT/aoti" 2>&1 | grep -v "^W[0-9]" | tail -32

@@ -6,8 +6,8 @@ AOTI packages and bind them to those weights, allocate the KV pool (half the fre
 memory, as the worker's defaults) and the pinned host tier, and capture every CUDA graph
 the worker captures (extend buckets 1 … 1024 tokens, rank buckets 1 … 64 users, 256
 candidates). Each phase is timed; ``ready_s`` counts from the moment the parent started
-the process. After the clock stops, one graph-replayed step is checked against the eager
-module (max |Δ| of the user embeddings and of the ranking probabilities, bf16).
+the process. After the clock stops, every entry point is checked against the eager module (bf16:
+max |Δ| of the outputs) and prefill / retrieve are timed on both backends.
 
     CXX=/usr/bin/g++ python3 -m bench.startup_bench            # H200, ~1 min warm
     python3 -m bench.startup_bench --backend eager             # same without packages
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -104,14 +105,31 @@ def serve_start(cfg: ModelConfig, started: float) -> dict[str, object]:
         "packages_gb_on_device": round((after_packages - weights_bytes) / 1e9, 3),
         "kv_blocks": cache.pool.num_blocks,
         "host_blocks": host.num_blocks,
-        **check_step(loaded, cache, graphed),
+        **check_against_eager(loaded, cache, graphed),
     }
 
 
+def _ms(call: Callable[[], object], reps: int = 5) -> float:
+    """Median wall ms of ``call`` (synchronised), after one untimed call."""
+    call()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return round(sorted(times)[reps // 2], 3)
+
+
 @torch.no_grad()
-def check_step(loaded: LoadedModel, cache: KVCache, served: ServingModel) -> dict[str, float]:
-    """One graph-replayed extend + rank of 8 users (300 cached tokens each) vs eager:
-    max |Δ| of the user embeddings and of the ranking probabilities."""
+def check_against_eager(
+    loaded: LoadedModel, cache: KVCache, served: ServingModel
+) -> dict[str, float]:
+    """After the clock: 8 users with 300 cached tokens each. extend + rank through the
+    served (graph-replayed) model, prefill + retrieve through it directly, each against
+    the eager module: max |Δ| of the outputs, and the ms of prefill / retrieve on both
+    (a traced prefill pads every history to max_seq_len; eager pads to the longest)."""
     eager = loaded.checkpoint.model
     cfg = eager.config
     users = [f"u{i}" for i in range(8)]
@@ -131,13 +149,33 @@ def check_step(loaded: LoadedModel, cache: KVCache, served: ServingModel) -> dic
     offsets = torch.arange(9, dtype=torch.int64, device=dev)
     cand = torch.randint(1, cfg.num_items, (8, NUM_CANDIDATES), generator=gen).to(dev)
     args = (items, actions, ts, offsets, cache.kv, cache.ts, tables, lens)
-    emb_err = (served.extend(*args)[2].float() - eager.extend(*args)[2].float()).abs().max()
+    want_emb = eager.extend(*args)[2]
+    out = {"max_abs_err_user_emb": _err(served.extend(*args)[2], want_emb)}
     rank_args = (cand, ts, cache.kv, cache.ts, tables, lens)
-    rank_err = (served.rank(*rank_args).float() - eager.rank(*rank_args).float()).abs().max()
-    return {
-        "max_abs_err_user_emb": round(float(emb_err), 5),
-        "max_abs_err_rank": round(float(rank_err), 5),
-    }
+    out["max_abs_err_rank"] = _err(served.rank(*rank_args), eager.rank(*rank_args))
+    hist = 300 * 8
+    p_args = (
+        torch.randint(1, cfg.num_items, (hist,), generator=gen).to(dev),
+        torch.randint(1, cfg.num_actions, (hist,), generator=gen).to(dev),
+        1_700_000_000_000 + torch.arange(hist, device=dev) * 1000,
+        torch.arange(9, dtype=torch.int64, device=dev) * 300,
+    )
+    out["max_abs_err_prefill_emb"] = _err(served.prefill(*p_args)[2], eager.prefill(*p_args)[2])
+    exclude = torch.full((8, 1), -1, dtype=torch.int64, device=dev)
+    got_s, got_i = served.retrieve(want_emb, NUM_CANDIDATES, exclude)
+    want_s, want_i = eager.retrieve(want_emb, NUM_CANDIDATES, exclude)
+    out["max_abs_err_retrieve"] = _err(got_s, want_s)
+    out["retrieve_top1_agree"] = float((got_i[:, 0] == want_i[:, 0]).float().mean())
+    for name, model in (("served", served), ("eager", eager)):
+        out[f"prefill_8x300_ms_{name}"] = _ms(lambda m=model: m.prefill(*p_args))  # type: ignore[misc]
+        out[f"retrieve_8_ms_{name}"] = _ms(
+            lambda m=model: m.retrieve(want_emb, NUM_CANDIDATES, exclude)  # type: ignore[misc]
+        )
+    return out
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return round(float((got.float() - want.float()).abs().max()), 5)
 
 
 def run_child(model_dir: Path, cache_dir: Path, backend: str) -> dict[str, object]:
