@@ -51,8 +51,9 @@ for stage in "$@"; do
       cp "$OUT/h200.json" "$OUT/h200_rest.json"
       python3 -m bench.engine_bench --config hstu-8l --device cuda --steps 40 2>&1 | tail -8
       cp bench/results/engine_hstu-8l_cuda.json "$OUT/" 2>/dev/null ;;
-    worker|worker-eager)  # (e): the whole worker with the dev broker on this machine
+    worker|worker-eager|worker-aoti)  # (e): the whole worker with the dev broker here
       flags=""; [ "$stage" = worker-eager ] && flags="--no-cuda-graphs"
+      [ "$stage" = worker-aoti ] && flags="--aoti"  # AOTI packages in CUDA graphs (issue 15)
       python3 -m bench.worker_bench --config hstu-8l --device cuda --users 2000 \
         --events 60000 --rates 2000 5000 10000 20000 --seconds 10 --drain-s 40 \
         --max-batch-users 256 --warm-wave 32 --partitions 4 $flags 2>&1 | tail -12
