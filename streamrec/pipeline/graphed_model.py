@@ -170,7 +170,7 @@ class GraphedModel:
         cached_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_tokens, num_users = items.shape[0], offsets.shape[0] - 1
-        bucket = self._bucket(num_tokens)
+        bucket = self._bucket(max(num_tokens, num_users))  # users without new tokens too
         if bucket is None or not self._fits(kv_pool, ts_pool, block_tables):
             self.stats.eager_calls += 1
             return self.model.extend(

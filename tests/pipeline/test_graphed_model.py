@@ -91,6 +91,17 @@ def test_calls_that_fit_no_graph_run_eagerly() -> None:
     assert graphed.stats.by_bucket == {}
 
 
+@torch.no_grad()
+def test_users_without_new_tokens_get_a_bucket_of_their_number() -> None:
+    cached, new = [3, 5, 2, 4], [1, 0, 0, 1]  # 2 tokens, 4 users -> bucket 8 (not 2)
+    model, cache, hist, _ = _setup(4, cached)
+    graphed = _graphed(model, cache, cands=2, capture=False)
+    args = _extend_args(model, cache, hist, cached, new)
+    for got, want in zip(graphed.extend(*args), model.extend(*args), strict=True):
+        assert got.shape == want.shape and rel_err(got, want) < TOL
+    assert graphed.stats.by_bucket == {"extend/8": 1}
+
+
 def test_config_names_bad_values() -> None:
     with pytest.raises(ConfigError, match=r"buckets=\(4, 2\)"):
         GraphConfig(max_blocks=4, num_candidates=2, buckets=(4, 2))
