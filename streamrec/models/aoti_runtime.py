@@ -335,7 +335,10 @@ def _bind_weights(
                 f"{tensor.device} (contiguous={tensor.is_contiguous()})"
             )
         bound[fqn] = tensor.detach()
-    runner.load_constants(bound, check_full_update=True, user_managed=True)
+    try:
+        runner.load_constants(bound, check_full_update=True, user_managed=True)
+    except TypeError:  # a torch without user-managed constants: the runner keeps a copy
+        runner.load_constants(bound, check_full_update=True)
 
 
 def load_package(
