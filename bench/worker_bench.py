@@ -60,19 +60,22 @@ import numpy.typing as npt
 import torch
 
 from bench._report import RESULTS_DIR, print_table, write_results
+from bench.aoti_packages import CACHE_DIR as AOTI_CACHE_DIR
+from bench.aoti_packages import reference_model_dir
 from bench.engine_bench import SMALL, WORKLOADS, _model, _preload
 from bench.null_model import NULL_GEOMETRY, null_checkpoint_parts
 from bench.reference_config import ReferenceWorkload
 from streamrec.cache.kv_cache import KVCacheConfig, free_memory_bytes
 from streamrec.errors import BrokerError, ConfigError
-from streamrec.models.checkpoint import Checkpoint
+from streamrec.models.aoti_export import ENTRY_POINTS, ExportConfig, export_model
+from streamrec.models.checkpoint import Checkpoint, load_checkpoint
 from streamrec.models.paged_attention import triton_available
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import PlaybackEvent
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
 from streamrec.worker import config as wc
 from streamrec.worker.app import App
-from streamrec.worker.model_loader import LoadedModel
+from streamrec.worker.model_loader import LoadedModel, load_serving_model
 
 
 def _moved(new: str, old: str, name: str) -> Any:
@@ -412,14 +415,32 @@ async def paced(bench: Bench, rate: float, users: IntArray, drain: float) -> Row
     return row | {"complete": complete, "sustained": sustained}
 
 
-def loaded_model(w: ReferenceWorkload, device: str, host_ceiling: bool = False) -> LoadedModel:
+def loaded_model(
+    w: ReferenceWorkload, device: str, host_ceiling: bool = False, aoti: bool = False
+) -> LoadedModel:
     if host_ceiling:  # the host path alone: a model that does nothing, on the CPU
         module, null, vocab = null_checkpoint_parts(w.num_items, w.max_seq_len, torch.device("cpu"))
         checkpoint = Checkpoint(module, vocab, "null", Path("null"), {"model_name": "null"})
         return LoadedModel(checkpoint, null, "null", torch.device("cpu"))
+    if aoti:  # the reference model directory and its AOTI packages (compiled if missing)
+        return aoti_loaded_model(w, device)
     model, vocab = _model(w, device)  # random init; bf16 for the reference workloads
     checkpoint = Checkpoint(model, vocab, "random-init", Path(w.name), {"model_name": w.name})
     return LoadedModel(checkpoint, model, "eager", torch.device(device))
+
+
+def aoti_loaded_model(w: ReferenceWorkload, device: str) -> LoadedModel:
+    from streamrec.pipeline.scoring_config import ScoringConfig
+
+    model_dir = reference_model_dir(w)
+    export_model(model_dir, device, AOTI_CACHE_DIR, config=ExportConfig(), jobs=len(ENTRY_POINTS))
+    checkpoint = load_checkpoint(model_dir, device)
+    cfg = wc.ModelConfig(
+        model_dir=model_dir, aoti_cache_dir=AOTI_CACHE_DIR, device=device, require_aoti=True
+    )
+    scoring = ScoringConfig(num_candidates=w.num_candidates, top_k=20)
+    model, backend = load_serving_model(cfg, checkpoint, torch.device(device), scoring)
+    return LoadedModel(checkpoint, model, backend, torch.device(device))
 
 
 def geometry(w: ReferenceWorkload, host_ceiling: bool) -> KVCacheConfig:
@@ -489,7 +510,7 @@ async def _phases(bench: Bench, plan: Plan, ns: argparse.Namespace) -> list[Row]
 async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
     w: ReferenceWorkload = WORKLOADS[ns.config]
     t0 = time.perf_counter()
-    loaded = loaded_model(w, ns.device, ns.host_ceiling)
+    loaded = loaded_model(w, ns.device, ns.host_ceiling, ns.aoti)
     build_s = time.perf_counter() - t0
     plan = make_plan(w, ns, np.random.default_rng(ns.seed))
     budget, blocks = kv_budget(w, plan, geometry(w, ns.host_ceiling))
@@ -619,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--machine", default="", help="host-ceiling rows: the machine's name")
     parser.add_argument("--label", default="", help="host-ceiling rows: e.g. before / after")
+    parser.add_argument(
+        "--aoti", action="store_true", help="serve the AOTI packages (bench.aoti_packages)"
+    )
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ns = parser.parse_args(argv)
     small = WORKLOADS[ns.config] is SMALL
