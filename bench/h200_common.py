@@ -19,6 +19,7 @@ from streamrec.models.attention import self_attention_term, silu_attention
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU, HSTULayer
 from streamrec.models.prefill_attention import fused_prefill_attention, fused_prefill_candidates
+from streamrec.pipeline.serving_model import ServingModel
 from streamrec.schemas.events import Action
 
 BLOCK_SIZE = 16
@@ -59,7 +60,7 @@ def graphed(fn: Step) -> Step:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):  # captured where it warmed up (AOTI runners)
         fn()
     return graph.replay
 
@@ -186,7 +187,7 @@ class Batch:
         self.tables, self.lens = self.cache.batch_tables(self.users)  # lens = history + 1
         self.ext_lens = self.lens - 1
 
-    def incremental(self, model: HSTU) -> tuple[torch.Tensor, torch.Tensor]:
+    def incremental(self, model: ServingModel) -> tuple[torch.Tensor, torch.Tensor]:
         """extend (1 new token/user), write its K/V, rank C candidates (100% hits)."""
         kv, ts_pool = self.cache.kv, self.cache.ts
         k, v, emb = model.extend(
