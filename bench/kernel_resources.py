@@ -4,7 +4,7 @@ Triton's wheel ships ptxas, cuobjdump and nvdisasm, so a kernel can be compiled 
 Hopper on any machine: this prints, per launch shape, the registers per thread, the spill
 stack, the shared memory (the H200 allows 227 KB per CTA) and the SASS length of the
 causal key loop (per warp and tile; a proxy for issue cost, the loop that runs once per
-key tile). It is how the default launch of ``streamrec.models.prefill_attention`` was
+key tile). It is how the default launch of ``streamrec.models.prefill_kernels`` was
 chosen before any device time. Needs Triton with its NVIDIA backend (``/work/triton-venv``
 here); ~15 s per shape on two cores.
 
@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from streamrec.models import prefill_attention as pfa
+from streamrec.models import prefill_kernels as pfk
 
 H200 = GPUTarget("cuda", 90, 32)
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -35,7 +35,7 @@ def compile_prefill(launch: tuple[int, ...], dtype: str = "bf16", heads: int = 4
                     head_dim: int = 128) -> Any:  # fmt: skip
     """The prefill kernel at the HSTU reference shape (N = 4,096, 32 time buckets)."""
     block_m, block_n, warps, stages = launch
-    fn = pfa._prefill_kernel
+    fn = pfk._prefill_kernel
     types = {name: f"*{dtype}" for name in ROWS}
     types.update(ts_ptr="*i64", offsets_ptr="*i64", range_ptr="*fp64", pos_ptr="*fp32",
                  tb_ptr="*fp32", cell_edge_ptr="*fp64", cell_base_ptr="*i32",
@@ -44,8 +44,8 @@ def compile_prefill(launch: tuple[int, ...], dtype: str = "bf16", heads: int = 4
                "half_scale": "fp32", "inv_divisor": "fp32"}  # fmt: skip
     signature = {name: types.get(name) or scalars.get(name) or "constexpr" for name in fn.arg_names}
     constants = dict(
-        H=heads, D=head_dim, NUM_POS=4096, NUM_TIME=32, NUM_CELLS=pfa.NUM_CELLS,
-        POS_PAD=pfa.POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n, USER_CHUNK=pfa.USER_CHUNK,
+        H=heads, D=head_dim, NUM_POS=4096, NUM_TIME=32, NUM_CELLS=pfk.NUM_CELLS,
+        POS_PAD=pfk.POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n, USER_CHUNK=pfk.USER_CHUNK,
         IEEE=dtype == "fp32", FAST=dtype != "fp32",
     )  # fmt: skip
     aligned = [*types, "stride_q", "stride_k", "stride_v"]  # as Triton specialises them
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     args = parser.parse_args(argv)
-    for launch in pfa.PREFILL_LAUNCHES:
+    for launch in pfk.PREFILL_LAUNCHES:
         try:
             row = resources(compile_prefill(launch, args.dtype))
         except Exception as exc:  # a shape Triton cannot lower
