@@ -53,7 +53,7 @@ from bench.reference_config import ReferenceWorkload as Workload
 from streamrec.cache.block_pool import NoRoom
 from streamrec.cache.host_tier import HostTier
 from streamrec.models import paged_attention as pa
-from streamrec.models import prefill_attention as pfa
+from streamrec.models import prefill_kernels as pfk
 from streamrec.models.aoti_export import ExportConfig, export_model
 from streamrec.models.aoti_runtime import AOTIModel, load_package
 from streamrec.models.checkpoint import load_checkpoint
@@ -578,8 +578,8 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "target_programs": (pa.TARGET_PROGRAMS, pa.CAND_TARGET_PROGRAMS),
             "decode_mma": (pa.DECODE_MMA, pa.DECODE_MMA_STAGES),
-            "prefill": pfa.PREFILL_LAUNCHES[0],
-            "prefill_candidates": (*pfa.CAND_LAUNCH, pfa.CAND_TARGET_PROGRAMS),
+            "prefill": pfk.PREFILL_LAUNCHES[0],
+            "prefill_candidates": (*pfk.CAND_LAUNCH, pfk.CAND_TARGET_PROGRAMS),
         },
         "sections": args.sections,
         "wall_s": round(time.perf_counter() - t0, 1),

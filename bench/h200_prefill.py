@@ -23,18 +23,19 @@ import torch
 from bench.h200_common import BASE_TS, graphed, pct, time_ms
 from bench.reference_config import HSTU_8L, SPEEDUP_HISTORY_LEN
 from streamrec.models import prefill_attention as pfa
+from streamrec.models import prefill_kernels as pfk
 from streamrec.models.attention import relative_bias, silu_attention, time_bucket_edges
 
 HISTORIES = (1000, 2048, 4096)
 BATCHES = (1, 8, 64)
 # (BLOCK_M, BLOCK_N, warps, stages, target programs) of the candidate kernel.
 CAND_LAUNCHES = (
-    (pfa.CAND_BLOCK_M, pfa.CAND_BLOCK_N, pfa.CAND_WARPS, pfa.CAND_STAGES,
-     pfa.CAND_TARGET_PROGRAMS),
-    (128, 32, 8, 2, 512),
-    (64, 64, 4, 2, 512),
-    (128, 64, 8, 3, 256),
-    (128, 64, 8, 2, 1024),
+    (pfk.CAND_BLOCK_M, pfk.CAND_BLOCK_N, pfk.CAND_WARPS, pfk.CAND_STAGES,
+     pfk.CAND_TARGET_PROGRAMS),
+    (128, 64, 8, 2, 512),
+    (64, 32, 4, 2, 512),
+    (128, 32, 8, 3, 256),
+    (128, 32, 8, 2, 1024),
 )  # fmt: skip
 NUM_TIME_BUCKETS = 32  # HSTUConfig's default, as build_model uses
 
@@ -113,12 +114,12 @@ def _prefill_rows(layer: Layer, batch: int, history: int, iters: int) -> list[di
     )  # fmt: skip
     flops = 4.0 * layer.heads * layer.head_dim * batch * history * (history + 1) / 2
     rows = []
-    variants = [(launch, True) for launch in pfa.PREFILL_LAUNCHES]
-    variants.append((pfa.PREFILL_LAUNCHES[0], False))  # the exact SiLU (as compiled graphs run)
+    variants = [(launch, True) for launch in pfk.PREFILL_LAUNCHES]
+    variants.append((pfk.PREFILL_LAUNCHES[0], False))  # the exact SiLU (as compiled graphs run)
     for launch, fast in variants:
         bm, bn, warps, stages = launch
         call = partial(
-            pfa.launch_prefill, q, k, v, ts, offsets, layer.pos_bias, layer.time_bias,
+            pfk.launch_prefill, q, k, v, ts, offsets, layer.pos_bias, layer.time_bias,
             layer.edges, layer.n, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
             fast=fast,
         )  # fmt: skip
@@ -160,7 +161,7 @@ def _candidate_rows(layer: Layer, batch: int, iters: int) -> list[dict[str, obje
     rows = []
     for bm, bn, warps, stages, target in CAND_LAUNCHES:
         call = partial(
-            pfa.launch_candidates, qc, kc, vc, query_ts, k, v, ts, offsets, layer.pos_bias,
+            pfk.launch_candidates, qc, kc, vc, query_ts, k, v, ts, offsets, layer.pos_bias,
             layer.time_bias, layer.edges, layer.n, block_m=bm, block_n=bn, num_warps=warps,
             num_stages=stages, target_programs=target,
         )  # fmt: skip

@@ -71,6 +71,7 @@ MODEL_CODE = (
     "streamrec.models.attention",
     "streamrec.models.paged_attention",
     "streamrec.models.prefill_attention",
+    "streamrec.models.prefill_kernels",
     "streamrec.models.config",
     "streamrec.schemas.events",
 )
