@@ -24,6 +24,7 @@ from streamrec.models.attention import (
     time_bucket_edges,
 )
 from streamrec.models.config import HSTUConfig
+from streamrec.models.fp8 import KVScales, gather_blocks
 from streamrec.models.paged_attention import (
     fused_attention_enabled,
     fused_candidate_attention,
@@ -77,6 +78,8 @@ class HSTU(nn.Module):
         # "auto" | "torch" | "triton": cached-context attention through the fused op
         # (streamrec/models/paged_attention.py) on CUDA when Triton is present.
         self.attention_backend = attention_backend
+        # FP8 KV cache (models/precision.py): the scales K/V are cached with, else None.
+        self.kv_quant: KVScales | None = None
         self.item_emb = nn.Embedding(config.num_items, config.d_model, padding_idx=0)
         self.action_emb = nn.Embedding(config.num_actions, config.d_model)
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
@@ -144,10 +147,23 @@ class HSTU(nn.Module):
         blocks = tables.long().clamp(0, num_blocks - 1)  # [G, MB]
         g, mb = blocks.shape
         span = mb * block_size
-        k = kv_pool[layer_idx, 0][blocks].reshape(g, span, *kv_pool.shape[-2:])
-        v = kv_pool[layer_idx, 1][blocks].reshape(g, span, *kv_pool.shape[-2:])
+        k = gather_blocks(kv_pool[layer_idx, 0], blocks).reshape(g, span, *kv_pool.shape[-2:])
+        v = gather_blocks(kv_pool[layer_idx, 1], blocks).reshape(g, span, *kv_pool.shape[-2:])
         ts = ts_pool[blocks].reshape(g, span)
+        if self.kv_quant is not None:  # FP8 codes -> values
+            k, v = self.kv_quant.load(layer_idx, k, v, self.norm_out.weight.dtype)
         return k, v, ts
+
+    def _cached_kv(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [..., H, d] as every query sees them, in the step that computes them and
+        later from the cache alike (FP8 KV: quantized and back; else unchanged)."""
+        return (k, v) if self.kv_quant is None else self.kv_quant.cached_form(layer_idx, k, v)
+
+    def _kv_storage(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's k, v [Lyr, T, H, d] in the pool's dtype."""
+        return (k, v) if self.kv_quant is None else self.kv_quant.store(k, v)
 
     def _context_attention(
         self,
@@ -164,7 +180,7 @@ class HSTU(nn.Module):
         """Contribution of each new token's cached keys. q [G, H, d]; pos, ts, users [G]."""
         layer = self.layers[layer_idx]
         assert isinstance(layer, HSTULayer)
-        if fused_attention_enabled(self.attention_backend, q):
+        if fused_attention_enabled(self.attention_backend, q) and self.kv_quant is None:
             return fused_context_attention(
                 q, pos, ts, users, kv_pool[layer_idx], ts_pool, block_tables, cached_lens,
                 layer.pos_bias, layer.time_bias, self.time_edges,  # type: ignore[arg-type]
@@ -197,7 +213,7 @@ class HSTU(nn.Module):
         """
         layer = self.layers[layer_idx]
         assert isinstance(layer, HSTULayer)
-        if fused_attention_enabled(self.attention_backend, q):
+        if fused_attention_enabled(self.attention_backend, q) and self.kv_quant is None:
             return fused_candidate_attention(
                 q, cached_lens, query_ts, kv_pool[layer_idx], ts_pool, block_tables,
                 cached_lens, layer.pos_bias, layer.time_bias,
@@ -237,9 +253,10 @@ class HSTU(nn.Module):
         rel, dt, mask = self._dense_geometry(ts, valid)
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
-        for layer in self.layers:
+        for idx, layer in enumerate(self.layers):
             assert isinstance(layer, HSTULayer)
             u, v, q, k = layer.project(x)  # [B, L, H, d]
+            k, v = self._cached_kv(idx, k, v)
             bias = self._bias(layer, rel, dt).to(x.dtype)  # [B, H, L, L]
             attn = silu_attention(q, k, v, bias, mask, self.config.max_seq_len)
             x = layer.output(x, u, attn)
@@ -359,9 +376,10 @@ class HSTU(nn.Module):
         x = self._embed(items, actions)  # [T, D]
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
-        for layer in self.layers:
+        for idx, layer in enumerate(self.layers):
             assert isinstance(layer, HSTULayer)
             u, v, q, k = layer.project(x)  # [T, H, d] (views of one projection)
+            k, v = self._cached_kv(idx, k, v)
             attn = fused_prefill_attention(
                 q, k, v, ts, offsets, layer.pos_bias, layer.time_bias,
                 self.time_edges, self.config.max_seq_len,  # type: ignore[arg-type]
@@ -376,7 +394,7 @@ class HSTU(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Whole histories -> (k [Lyr, T, H, d], v [Lyr, T, H, d], user_emb [B, D])."""
         k, v, z = self.prefill_states(items, actions, ts, offsets)
-        return k, v, self._user_embedding(z, offsets)
+        return (*self._kv_storage(k, v), self._user_embedding(z, offsets))
 
     def extend(
         self,
@@ -411,6 +429,7 @@ class HSTU(nn.Module):
         for idx, layer in enumerate(self.layers):
             assert isinstance(layer, HSTULayer)
             u, v, q, k = layer.project(x)  # [T, H, d]
+            k, v = self._cached_kv(idx, k, v)
             cached = self._context_attention(
                 idx, q, pos, ts, users, kv_pool, ts_pool, block_tables, cached_lens
             )
@@ -427,7 +446,8 @@ class HSTU(nn.Module):
             ks.append(k)
             vs.append(v)
         z = self.norm_out(x)
-        return torch.stack(ks), torch.stack(vs), self._user_embedding(z, offsets)
+        k_new, v_new = self._kv_storage(torch.stack(ks), torch.stack(vs))
+        return k_new, v_new, self._user_embedding(z, offsets)
 
     def rank(
         self,

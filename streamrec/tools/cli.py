@@ -125,7 +125,8 @@ def effective_config(args: argparse.Namespace) -> WorkerConfig:
 
 def _export(args: argparse.Namespace) -> int:
     """``streamrec export``: flags beat the worker config, so the package the worker
-    looks for (model dir, cache dir, device, retrieve k) is the one that gets built."""
+    looks for (model dir, cache dir, device, retrieve k, precision) is the one that gets
+    built."""
     config = effective_config(args)
     model_cfg = config.model
     if args.model_dir is None:
@@ -136,6 +137,10 @@ def _export(args: argparse.Namespace) -> int:
         args.device = model_cfg.device
     if args.retrieve_k is None:
         args.retrieve_k = export_config_for(config.scoring).retrieve_k
+    if args.kv_dtype is None:
+        args.kv_dtype = config.cache.kv_dtype
+    if args.weight_dtype is None:
+        args.weight_dtype = config.model.weight_dtype
     return run_export(args)
 
 
@@ -351,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(export, worker=False)
     add_export_arguments(export)
     export.set_defaults(handler=_export, model_dir=None, cache_dir=None, device=None)
-    export.set_defaults(retrieve_k=None)
+    export.set_defaults(retrieve_k=None, kv_dtype=None, weight_dtype=None)
 
     bench = sub.add_parser("bench", help="run a benchmark of bench/ (source checkout)")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")

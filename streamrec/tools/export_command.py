@@ -19,6 +19,7 @@ import torch
 from streamrec.errors import ExportError
 from streamrec.models.aoti_export import ENTRY_POINTS, ExportConfig, export_model
 from streamrec.models.config import DTYPES
+from streamrec.models.serving_precision import KV_DTYPES, WEIGHT_DTYPES, ServingPrecision
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +30,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--retrieve-k", type=int, default=ExportConfig().retrieve_k,
         help="largest k retrieve serves (>= model.num_candidates of the worker)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-dtype", choices=KV_DTYPES, default="model", help="the worker's cache.kv_dtype"
+    )
+    parser.add_argument(
+        "--weight-dtype", choices=WEIGHT_DTYPES, default="model",
+        help="the worker's model.weight_dtype",
     )  # fmt: skip
     parser.add_argument("--entry-points", default=",".join(ENTRY_POINTS))
     parser.add_argument("--force", action="store_true", help="recompile even on a cache hit")
@@ -49,8 +57,9 @@ def run_export(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         config = ExportConfig(
-            entry_points=tuple(args.entry_points.split(",")), retrieve_k=args.retrieve_k
-        )
+            entry_points=tuple(args.entry_points.split(",")), retrieve_k=args.retrieve_k,
+            precision=ServingPrecision(args.kv_dtype, args.weight_dtype),
+        )  # fmt: skip
         directory = export_model(
             args.model_dir, device, args.cache_dir, dtype=args.dtype, config=config,
             progress=progress, force=args.force, jobs=args.jobs,

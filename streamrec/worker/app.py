@@ -163,7 +163,7 @@ class App:
         """Model, caches, history store, engine, pipeline (the model loads off the loop)."""
         if self.loaded is None:
             self.loaded = await asyncio.to_thread(
-                load_model, self.config.model, self.config.scoring
+                load_model, self.config.model, self.config.scoring, self.config.cache.kv_dtype
             )
         loaded = self.loaded
         hstu = loaded.checkpoint.config

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
 from streamrec.errors import ConfigError, StreamrecError
+from streamrec.models.serving_precision import KV_DTYPES, WEIGHT_DTYPES, ServingPrecision
 from streamrec.pipeline.micro_batcher import BatcherConfig
 from streamrec.pipeline.scoring_config import ScoringConfig
 
@@ -264,7 +265,13 @@ class GroupConfig(_Section):
 @dataclass(frozen=True)
 class CacheConfig(_Section):
     """Cache sizes. ``kv_budget_bytes`` = 0 means: use ``kv_budget_fraction`` of the GPU
-    memory left free after the model is loaded (so one config fits several GPU sizes)."""
+    memory left free after the model is loaded (so one config fits several GPU sizes).
+
+    ``kv_dtype = "fp8_e4m3"`` stores K/V as FP8 codes (half the bytes: about twice the
+    users per GiB, in the GPU pool and the host tier alike); "model" keeps the model's
+    dtype. The model quantizes the same way in prefill and extend (models/fp8.py), so
+    incremental inference still equals full recompute.
+    """
 
     SECTION: ClassVar[str] = "cache"
 
@@ -273,8 +280,10 @@ class CacheConfig(_Section):
     block_size: int = 16
     host_tier_bytes: int = 1 << 30
     embedding_cache_rows: int = 0  # 0 = the whole item table on the device
+    kv_dtype: str = "model"
 
     def _validate(self) -> None:
+        self._one_of("kv_dtype", KV_DTYPES)
         self._require(self.kv_budget_bytes >= 0, "kv_budget_bytes", "must be >= 0")
         self._require(
             0.0 < self.kv_budget_fraction <= 1.0, "kv_budget_fraction", "must be in (0, 1]"
@@ -295,6 +304,10 @@ class ModelConfig(_Section):
     ``cuda_graphs`` (CUDA, either backend) replays extend and rank as CUDA graphs captured
     at start for batch buckets of powers of two, up to ``graph_max_tokens`` new tokens per
     step; larger steps run directly.
+
+    ``weight_dtype = "fp8"`` runs each layer's projection GEMMs with e4m3 weights (per
+    output channel scales) and activations (per token), through ``torch._scaled_mm`` on
+    Hopper (models/fp8_linear.py); "model" keeps the checkpoint's dtype.
     """
 
     SECTION: ClassVar[str] = "model"
@@ -305,10 +318,12 @@ class ModelConfig(_Section):
     device: str = "auto"
     cuda_graphs: bool = True
     graph_max_tokens: int = 4096
+    weight_dtype: str = "model"
 
     def _validate(self) -> None:
         self._require(str(self.model_dir) != "", "model_dir", "must not be empty")
         self._one_of("device", ("auto", "cpu", "cuda"))
+        self._one_of("weight_dtype", WEIGHT_DTYPES)
         self._positive("graph_max_tokens")
 
 
@@ -405,6 +420,11 @@ class WorkerConfig:
                 f"batching.max_batch_users = {self.batching.max_batch_users}: must be <= "
                 f"batching.queue_high_watermark ({self.batching.queue_high_watermark})"
             )
+
+    @property
+    def precision(self) -> ServingPrecision:
+        """``cache.kv_dtype`` and ``model.weight_dtype``: what the loaded model is turned into."""
+        return ServingPrecision(self.cache.kv_dtype, self.model.weight_dtype)
 
     def to_dict(self, *, mask_secrets: bool = True) -> dict[str, dict[str, Any]]:
         """Plain nested dict of the configurable fields (paths as strings); secrets masked

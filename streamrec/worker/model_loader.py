@@ -20,6 +20,8 @@ from streamrec.errors import ExportError, ModelError
 from streamrec.models.aoti_export import ExportConfig
 from streamrec.models.aoti_runtime import open_aoti_model
 from streamrec.models.checkpoint import Checkpoint, load_checkpoint
+from streamrec.models.quantization import apply_precision
+from streamrec.models.serving_precision import MODEL_PRECISION, ServingPrecision
 from streamrec.pipeline.graphed_model import GraphedModel, capture_serving_graphs
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
@@ -47,9 +49,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def export_config_for(scoring: ScoringConfig) -> ExportConfig:
+def export_config_for(
+    scoring: ScoringConfig, precision: ServingPrecision = MODEL_PRECISION
+) -> ExportConfig:
     """The export settings the worker loads with; ``streamrec export`` uses the same."""
-    return ExportConfig(retrieve_k=max(ExportConfig().retrieve_k, scoring.num_candidates))
+    return ExportConfig(
+        retrieve_k=max(ExportConfig().retrieve_k, scoring.num_candidates), precision=precision
+    )
 
 
 def load_serving_model(
@@ -57,6 +63,7 @@ def load_serving_model(
     checkpoint: Checkpoint,
     device: torch.device,
     scoring: ScoringConfig | None = None,
+    precision: ServingPrecision = MODEL_PRECISION,
 ) -> tuple[ServingModel, str]:
     """The AOTI package of ``checkpoint`` from the package cache, else the eager module.
 
@@ -74,7 +81,7 @@ def load_serving_model(
             model_cfg.aoti_cache_dir,
             compile_if_missing=False,
             checkpoint=checkpoint,
-            config=export_config_for(scoring or ScoringConfig()),
+            config=export_config_for(scoring or ScoringConfig(), precision),
         )
     except ExportError as exc:
         if model_cfg.require_aoti:
@@ -94,11 +101,16 @@ def load_serving_model(
     return model, "aoti"
 
 
-def load_model(model_cfg: ModelConfig, scoring: ScoringConfig | None = None) -> LoadedModel:
-    """Load ``model_cfg.model_dir`` onto the configured device (blocking: call it off-loop)."""
+def load_model(
+    model_cfg: ModelConfig, scoring: ScoringConfig | None = None, kv_dtype: str = "model"
+) -> LoadedModel:
+    """Load ``model_cfg.model_dir`` onto the configured device (blocking: call it off-loop),
+    at ``model_cfg.weight_dtype`` and ``kv_dtype`` (``cache.kv_dtype``)."""
     device = resolve_device(model_cfg.device)
+    precision = ServingPrecision(kv_dtype, model_cfg.weight_dtype)
     checkpoint = load_checkpoint(model_cfg.model_dir, device=device)
-    model, backend = load_serving_model(model_cfg, checkpoint, device, scoring)
+    apply_precision(checkpoint.model, precision)
+    model, backend = load_serving_model(model_cfg, checkpoint, device, scoring, precision)
     return LoadedModel(checkpoint=checkpoint, model=model, backend=backend, device=device)
 
 
