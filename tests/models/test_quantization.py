@@ -10,18 +10,23 @@ boundary: rare codes one step apart.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig
-from streamrec.errors import ConfigError
+from streamrec.errors import ConfigError, ExportError, ModelError
+from streamrec.models.aoti_export import ExportConfig, package_key
+from streamrec.models.aoti_runtime import open_aoti_model
+from streamrec.models.checkpoint import load_checkpoint
 from streamrec.models.fp8 import FP8
 from streamrec.models.fp8_linear import FP8Linear
 from streamrec.models.hstu import HSTU
 from streamrec.models.quantization import apply_precision, kv_storage_dtype, model_precision
 from streamrec.models.serving_precision import ServingPrecision
+from tests.models.aoti_fixtures import CACHE_DIR, tiny_model_dir
 from tests.models.test_hstu import jagged, random_history, random_model, rel_err
 
 PRECISIONS = [
@@ -189,3 +194,43 @@ def test_serving_precision_is_validated_and_keys_only_what_changed() -> None:
     }
     assert kv_storage_dtype(ServingPrecision("fp8_e4m3"), torch.bfloat16) == FP8
     assert kv_storage_dtype(ServingPrecision(), torch.bfloat16) == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_an_fp8_model_exports_and_its_package_equals_eager(tmp_path: Path) -> None:
+    """The fallback path (CPU) in an AOTI package: FP8 weights, FP8 pool read and written;
+    the package is keyed by the precision and checks the pool's dtype."""
+    both = ServingPrecision(kv_dtype="fp8_e4m3", weight_dtype="fp8")
+    config = ExportConfig(entry_points=("extend",), precision=both)
+    model_dir = tiny_model_dir(tmp_path / "m")
+    checkpoint = load_checkpoint(model_dir)
+    apply_precision(checkpoint.model, both)
+    model = checkpoint.model
+    key = package_key(model.config, "float32", checkpoint.version, torch.device("cpu"), config)
+    plain = package_key(model.config, "float32", checkpoint.version, torch.device("cpu"),
+                        ExportConfig(entry_points=("extend",)))  # fmt: skip
+    assert key.export_hash != plain.export_hash
+    aoti = open_aoti_model(model_dir, "cpu", CACHE_DIR, compile_if_missing=True,
+                           checkpoint=checkpoint, config=config, progress=print)  # fmt: skip
+    assert aoti.kv_dtype == FP8
+    cfg = model.config
+    gen = torch.Generator().manual_seed(5)
+    lens, new = [7, 0, 13], [1, 3, 2]
+    hist = [random_history(cfg, n + m, gen) for n, m in zip(lens, new)]
+    cache = new_cache(model, 4, 32, 3)
+    with torch.no_grad():
+        k, v, _ = model.prefill(*jagged(hist, lens, [0, 0, 0]))
+    append(cache, lens, k, v, jagged(hist, lens, [0, 0, 0])[2])
+    batch = jagged(hist, new, lens)
+    tables, cached = cache.batch_tables(range(3))
+    args = (*batch, cache.kv, cache.ts, tables, cached)
+    with torch.no_grad():
+        got, want = aoti.extend(*args), model.extend(*args)
+    assert got[0].dtype == FP8 and code_mismatch(got[0], want[0]) <= CODE_MISMATCH_TOL
+    assert code_mismatch(got[1], want[1]) <= CODE_MISMATCH_TOL
+    assert rel_err(got[2], want[2]) < EMB_TOL
+    with pytest.raises(ModelError, match=r"kv_pool must be torch\.float8_e4m3fn"):
+        aoti.extend(*batch, cache.kv.float(), cache.ts, tables, cached)
+    with pytest.raises(ExportError, match="export config asks for"):
+        open_aoti_model(model_dir, "cpu", CACHE_DIR, compile_if_missing=False,
+                        checkpoint=load_checkpoint(model_dir), config=config)  # fmt: skip
