@@ -84,15 +84,14 @@ class LaunchConfig:
 def default_config(batch: int | torch.SymInt, dtype: torch.dtype, dim: int) -> LaunchConfig:
     """Tile shape by batch size (a symbolic batch, under export, gets the middle one)."""
     block_k = 64 if dim % 64 == 0 else 32 if dim % 32 == 0 else 16
+    small = isinstance(batch, int) and batch <= 16
     if dtype == torch.float32:  # IEEE dots run on the FMA units: smaller tiles
-        block_b = 16 if isinstance(batch, int) and batch <= 16 else 64
-        return LaunchConfig(block_b, 64, min(block_k, 32), num_warps=4, num_stages=2)
+        return LaunchConfig(16 if small else 64, 64, min(block_k, 32), 4, 2)
     if not isinstance(batch, int):
-        return LaunchConfig(64, num_warps=4, num_stages=4)
+        return LaunchConfig(64, 128, block_k, 4, 4)
     if batch <= 64:
-        block_b = 16 if batch <= 16 else 32 if batch <= 32 else 64
-        return LaunchConfig(block_b, num_warps=4, num_stages=4)
-    return LaunchConfig(128)
+        return LaunchConfig(16 if small else 32 if batch <= 32 else 64, 128, block_k, 4, 4)
+    return LaunchConfig(128, 128, block_k, 8, 3)
 
 
 def triton_available() -> bool:
@@ -405,6 +404,8 @@ if triton is not None:
         num_items = table.shape[0]
         num_ex = exclude.shape[1]
         cfg = config or default_config(num_users, user_emb.dtype, dim)
+        if dim % cfg.block_k:
+            raise ModelError(f"dim {dim} is not a multiple of block_k={cfg.block_k}")
         bb, bv = cfg.block_b, cfg.block_v
         keep = _next_pow2(k)
         cap = _next_pow2(keep + bv)
@@ -434,8 +435,10 @@ if triton is not None:
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
             programs = cfg.programs_per_sm * sms
         tiles = _cdiv(num_items - first_row, bv)
-        chunks = torch.sym_max(1, torch.sym_min(_cdiv(programs, user_tiles), MAX_CHUNKS))
-        chunk_tiles = _cdiv(tiles, torch.sym_min(chunks, tiles))
+        # Chunks per user tile so that about ``programs`` run; a symbolic batch (export)
+        # gets a fixed count (sizes stay simple expressions of B; speed only).
+        tiles_b = user_tiles if isinstance(user_tiles, int) else 2
+        chunk_tiles = _cdiv(tiles, max(1, min(_cdiv(programs, tiles_b), MAX_CHUNKS, tiles)))
         chunks = _cdiv(tiles, chunk_tiles)
         counts = torch.zeros(num_users, chunks, device=dev, dtype=torch.int32)
         sc = torch.empty(num_users * chunks * cap, device=dev, dtype=torch.float32)
@@ -447,7 +450,7 @@ if triton is not None:
         )  # fmt: skip
 
         pre = (torch.cumsum(counts, dim=1, dtype=torch.int32) - counts).contiguous()
-        chunk_steps = chunks.bit_length() if isinstance(chunks, int) else 11
+        chunk_steps = chunks.bit_length()
         scores = torch.empty(num_users, k, device=dev, dtype=torch.float32)
         rows = torch.empty(num_users, k, device=dev, dtype=torch.int64)
         torch.library.wrap_triton(_merge_kernel)[(num_users,)](
