@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|speedup|rest
+#   bash bench/h200_session.sh tests|kernel|speedup|rest|retrieval
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -57,6 +57,10 @@ for stage in "$@"; do
         --events 60000 --rates 2000 5000 10000 20000 --seconds 10 --drain-s 40 \
         --max-batch-users 256 --warm-wave 32 --partitions 4 $flags 2>&1 | tail -12
       cp bench/results/worker_bench_hstu-8l_cuda.json "$OUT/$stage.json" 2>/dev/null ;;
+    retrieval)  # fused retrieval top-k: its gpu tests, then mm + topk vs fused (issue 14.4)
+      python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider 2>&1 \
+        | tee "$OUT/retrieval_tests.log" | grep -E "B=|aoti|passed|failed|Error" | tail -20
+      python3 -m bench.retrieval_bench --out "$OUT" 2>&1 | tail -25 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"
