@@ -329,7 +329,7 @@ if triton is not None:
         chunk = tl.program_id(1)
         row_ok = rows < num_users
         thr = tl.load(thr_ptr + rows, mask=row_ok, other=float("inf"))  # [BB]
-        slots = rows.to(tl.int64) * num_chunks + chunk  # [BB] (user, chunk) index
+        slots = rows * num_chunks + chunk  # [BB] (user, chunk); int32 offsets (host check)
         cnt_ptrs = tl.broadcast_to(cnt_ptr + slots[:, None], [BLOCK_B, BLOCK_V])
         ones = tl.full([BLOCK_B, BLOCK_V], 1, tl.int32)
         cnt = tl.zeros([BLOCK_B], dtype=tl.int32)
@@ -375,7 +375,7 @@ if triton is not None:
             j = w0 + offs  # candidate number within the user's regions
             valid = j < total
             c = tl.maximum(_count_le(pre_row, num_chunks, j, chunk_steps) - 1, 0)
-            src = (b * num_chunks + c).to(tl.int64) * CAP + (j - tl.load(pre_row + c))
+            src = (b * num_chunks + c) * CAP + (j - tl.load(pre_row + c))
             s = tl.load(sc_ptr + src, mask=valid, other=float("-inf"))
             i = tl.load(ix_ptr + src, mask=valid, other=0)
             s = tl.where(_excluded(i, ex_row, num_ex, ex_steps), float("-inf"), s)
@@ -440,6 +440,8 @@ if triton is not None:
         tiles_b = user_tiles if isinstance(user_tiles, int) else 2
         chunk_tiles = _cdiv(tiles, max(1, min(_cdiv(programs, tiles_b), MAX_CHUNKS, tiles)))
         chunks = _cdiv(tiles, chunk_tiles)
+        if isinstance(num_users, int) and num_users * chunks * cap >= 2**31:
+            raise ModelError(f"batch {num_users} too large for one call (int32 offsets)")
         counts = torch.zeros(num_users, chunks, device=dev, dtype=torch.int32)
         sc = torch.empty(num_users * chunks * cap, device=dev, dtype=torch.float32)
         ix = torch.empty(num_users * chunks * cap, device=dev, dtype=torch.int32)
