@@ -36,12 +36,13 @@ DIM = 512
 K = 256
 NUM_EXCLUDED = 16
 FIRST = 17
-SWEEP = (  # block_b, block_v, block_k, warps, stages, programs per SM (first: the default)
-    (128, 128, 64, 8, 3, 2),
-    (128, 128, 64, 8, 4, 1),
-    (128, 128, 32, 8, 5, 2),
-    (64, 256, 64, 8, 3, 2),
-    (128, 256, 64, 8, 3, 1),
+SWEEP = (  # block_b, block_v, block_k, warps, stages, programs per SM, flat (first: default)
+    (128, 128, 64, 8, 3, 2, False),
+    (128, 128, 64, 8, 3, 2, True),
+    (128, 128, 64, 8, 4, 1, False),
+    (64, 256, 64, 8, 3, 2, False),
+    (128, 256, 64, 8, 3, 1, False),
+    (64, 128, 64, 4, 4, 2, True),
 )
 
 
@@ -93,8 +94,8 @@ def sweep_rows(
 ) -> list[dict[str, object]]:
     users, exclude = _inputs(table, batch, seed=batch)
     rows: list[dict[str, object]] = []
-    for bb, bv, bk, warps, stages, per_sm in SWEEP:
-        cfg = retrieval.LaunchConfig(bb, bv, bk, warps, stages, per_sm)
+    for bb, bv, bk, warps, stages, per_sm, flat in SWEEP:
+        cfg = retrieval.LaunchConfig(bb, bv, bk, warps, stages, per_sm, flat)
         try:
             run = partial(retrieval.launch_retrieval, users, table, exclude, K, FIRST, cfg)
             us = _us(run, iters)
@@ -104,7 +105,7 @@ def sweep_rows(
         rows.append(
             {"op": "retrieve_sweep", "impl": "fused", "batch": batch, "us": round(us, 1),
              "us_per_user": round(us / batch, 2), "speedup_vs_mm_topk": round(base_us / us, 2),
-             "config": f"B{bb} V{bv} K{bk} w{warps} s{stages} p{per_sm}"}
+             "config": f"B{bb} V{bv} K{bk} w{warps} s{stages} p{per_sm}{' flat' * flat}"}
         )  # fmt: skip
     return rows
 

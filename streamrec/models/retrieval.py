@@ -71,6 +71,9 @@ class LaunchConfig:
     num_warps: int = 8
     num_stages: int = 3
     programs_per_sm: int = 2
+    # One loop over (tile, K step) instead of a K loop per tile, so that the pipeliner
+    # prefetches the next tile's first K steps while this tile's candidates are stored.
+    flat: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_b", "block_v", "block_k"):
@@ -242,30 +245,37 @@ if triton is not None:
         return (pos > 0) & (hit == idx)
 
     @triton.jit
+    def _dot_step(
+        acc, u_rows, t_rows, kk, row_ok, col_ok, BLOCK_K: tl.constexpr, IEEE: tl.constexpr
+    ):
+        """acc += users [BB, BLOCK_K] @ items [BV, BLOCK_K]^T at K offset kk.
+
+        IEEE: fp32 dots (fp32 inputs, or 16-bit inputs on the CPU interpreter, whose
+        bf16 ``tl.dot`` is wrong: there the operands are widened, which is exact)."""
+        offs_k = kk + tl.arange(0, BLOCK_K)
+        a = tl.load(u_rows + offs_k[None, :], mask=row_ok[:, None], other=0.0)  # [BB, BK]
+        b = tl.load(t_rows + offs_k[None, :], mask=col_ok[:, None], other=0.0)  # [BV, BK]
+        if IEEE:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        return acc
+
+    @triton.jit
     def _tile_scores(
         u_ptr, t_ptr, rows, cols, num_users, num_items, stride_u, stride_t,
         D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
-        """fp32 scores [BLOCK_B, BLOCK_V] of users ``rows`` x items ``cols``; -inf past V.
-
-        IEEE: fp32 dots (fp32 inputs, or 16-bit inputs on the CPU interpreter, whose
-        bf16 ``tl.dot`` is wrong: there the operands are widened, which is exact)."""
-        offs_k = tl.arange(0, BLOCK_K)
+        """fp32 scores [BLOCK_B, BLOCK_V] of users ``rows`` x items ``cols``; -inf past V."""
         u_rows = u_ptr + rows.to(tl.int64)[:, None] * stride_u  # [BB, 1]
         t_rows = t_ptr + cols.to(tl.int64)[:, None] * stride_t  # [BV, 1]
-        row_ok = (rows < num_users)[:, None]
-        col_ok = (cols < num_items)[:, None]
+        col_ok = cols < num_items
         acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
         for kk in range(0, D, BLOCK_K):
-            a = tl.load(u_rows + kk + offs_k[None, :], mask=row_ok, other=0.0)  # [BB, BK]
-            b = tl.load(t_rows + kk + offs_k[None, :], mask=col_ok, other=0.0)  # [BV, BK]
-            if IEEE:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
-        return tl.where((cols < num_items)[None, :], acc, float("-inf"))
+            acc = _dot_step(acc, u_rows, t_rows, kk, rows < num_users, col_ok, BLOCK_K, IEEE)
+        return tl.where(col_ok[None, :], acc, float("-inf"))
 
     @triton.jit
     def _sample_kernel(
@@ -318,11 +328,39 @@ if triton is not None:
         return thr
 
     @triton.jit
+    def _append(
+        acc, cols, thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr,
+        stride_ex, num_ex, ex_steps, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+        CAP: tl.constexpr, KEEP: tl.constexpr,
+    ):  # fmt: skip
+        """Append a tile's scores above threshold to the rows' regions; compact the rows
+        that might not hold another tile. Returns the new (thr, cnt)."""
+        take = acc > thr[:, None]  # [BB, BV]
+        # Every region has room for one more tile (compaction below), so slot < CAP.
+        cnt_ptrs = tl.broadcast_to(cnt_ptr + slots[:, None], [BLOCK_B, BLOCK_V])
+        ones = tl.full([BLOCK_B, BLOCK_V], 1, tl.int32)
+        slot = tl.atomic_add(cnt_ptrs, ones, mask=take, sem="relaxed", scope="cta")
+        dest = slots[:, None] * CAP + slot
+        tl.store(sc_ptr + dest, acc, mask=take)
+        tl.store(ix_ptr + dest, tl.broadcast_to(cols[None, :], [BLOCK_B, BLOCK_V]), mask=take)
+        cnt += tl.sum(take.to(tl.int32), axis=1)
+        if tl.max(cnt, axis=0) > CAP - BLOCK_V:
+            tl.debug_barrier()
+            thr = _compact(
+                thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex,
+                num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
+            )  # fmt: skip
+            tl.debug_barrier()
+            cnt = tl.load(cnt_ptr + slots, mask=rows < num_users, other=0)
+        return thr, cnt
+
+    @triton.jit
     def _select_kernel(
         u_ptr, t_ptr, thr_ptr, ex_ptr, cnt_ptr, sc_ptr, ix_ptr, num_users, num_items, first,
         num_chunks, chunk_tiles, stride_u, stride_t, stride_ex, num_ex, ex_steps,
         D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, IEEE: tl.constexpr, CAP: tl.constexpr, KEEP: tl.constexpr,
+        FLAT: tl.constexpr,
     ):  # fmt: skip
         """Candidates of users ``program_id(0)`` in item chunk ``program_id(1)``."""
         rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -330,32 +368,36 @@ if triton is not None:
         row_ok = rows < num_users
         thr = tl.load(thr_ptr + rows, mask=row_ok, other=float("inf"))  # [BB]
         slots = rows * num_chunks + chunk  # [BB] (user, chunk); int32 offsets (host check)
-        cnt_ptrs = tl.broadcast_to(cnt_ptr + slots[:, None], [BLOCK_B, BLOCK_V])
-        ones = tl.full([BLOCK_B, BLOCK_V], 1, tl.int32)
         cnt = tl.zeros([BLOCK_B], dtype=tl.int32)
         start = first + chunk * chunk_tiles * BLOCK_V
         stop = tl.minimum(start + chunk_tiles * BLOCK_V, num_items)
-        for v0 in range(start, stop, BLOCK_V):
-            cols = v0 + tl.arange(0, BLOCK_V)
-            acc = _tile_scores(
-                u_ptr, t_ptr, rows, cols, num_users, num_items, stride_u, stride_t,
-                D, BLOCK_B, BLOCK_V, BLOCK_K, IEEE,
-            )  # fmt: skip
-            take = acc > thr[:, None]  # [BB, BV]
-            # A region has room for one more tile (compaction below), so slot < CAP.
-            slot = tl.atomic_add(cnt_ptrs, ones, mask=take, sem="relaxed", scope="cta")
-            dest = slots[:, None] * CAP + slot
-            tl.store(sc_ptr + dest, acc, mask=take)
-            tl.store(ix_ptr + dest, tl.broadcast_to(cols[None, :], [BLOCK_B, BLOCK_V]), mask=take)
-            cnt += tl.sum(take.to(tl.int32), axis=1)
-            if tl.max(cnt, axis=0) > CAP - BLOCK_V:
-                tl.debug_barrier()
-                thr = _compact(
-                    thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex,
-                    num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
+        if FLAT:
+            steps: tl.constexpr = D // BLOCK_K
+            u_rows = u_ptr + rows.to(tl.int64)[:, None] * stride_u  # [BB, 1]
+            acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
+            for it in range(0, tl.cdiv(stop - start, BLOCK_V) * steps):
+                cols = start + (it // steps) * BLOCK_V + tl.arange(0, BLOCK_V)
+                t_rows = t_ptr + cols.to(tl.int64)[:, None] * stride_t  # [BV, 1]
+                kk = (it % steps) * BLOCK_K
+                acc = _dot_step(acc, u_rows, t_rows, kk, row_ok, cols < num_items, BLOCK_K, IEEE)
+                if it % steps == steps - 1:
+                    acc = tl.where((cols < num_items)[None, :], acc, float("-inf"))
+                    thr, cnt = _append(
+                        acc, cols, thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr,
+                        ex_ptr, stride_ex, num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
+                    )  # fmt: skip
+                    acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
+        else:
+            for v0 in range(start, stop, BLOCK_V):
+                cols = v0 + tl.arange(0, BLOCK_V)
+                acc = _tile_scores(
+                    u_ptr, t_ptr, rows, cols, num_users, num_items, stride_u, stride_t,
+                    D, BLOCK_B, BLOCK_V, BLOCK_K, IEEE,
                 )  # fmt: skip
-                tl.debug_barrier()
-                cnt = tl.load(cnt_ptr + slots, mask=row_ok, other=0)
+                thr, cnt = _append(
+                    acc, cols, thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr,
+                    ex_ptr, stride_ex, num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
+                )  # fmt: skip
 
     @triton.jit
     def _merge_kernel(
@@ -448,7 +490,7 @@ if triton is not None:
         torch.library.wrap_triton(_select_kernel)[(user_tiles, chunks)](
             u, table, thr, ex, counts, sc, ix, num_users, num_items, first_row, chunks,
             chunk_tiles, u.stride(0), table.stride(0), ex.stride(0), num_ex, ex_steps,
-            CAP=cap, KEEP=keep, **tile, **launch,
+            CAP=cap, KEEP=keep, FLAT=cfg.flat, **tile, **launch,
         )  # fmt: skip
 
         pre = (torch.cumsum(counts, dim=1, dtype=torch.int32) - counts).contiguous()

@@ -232,25 +232,26 @@ def kernels() -> Iterator[Any]:
 
 
 @pytest.mark.parametrize(
-    "name,dtype",
+    "name,dtype,flat",
     [
-        ("random", torch.float32),
-        ("random", torch.bfloat16),
-        ("clustered", torch.float32),
-        ("zero_user", torch.bfloat16),
-        ("exclude_best", torch.float32),
+        ("random", torch.float32, False),
+        ("random", torch.bfloat16, True),
+        ("clustered", torch.float32, False),
+        ("clustered", torch.bfloat16, True),
+        ("zero_user", torch.bfloat16, False),
+        ("exclude_best", torch.float32, True),
     ],
 )
 def test_kernels_equal_exact_top_k_on_the_interpreter(
-    kernels: Any, name: str, dtype: torch.dtype
+    kernels: Any, name: str, dtype: torch.dtype, flat: bool
 ) -> None:
     users, table, exclude, k = case(name)
-    config = kernels.LaunchConfig(16, 16, 32, num_warps=4)
+    config = kernels.LaunchConfig(16, 16, 16, num_warps=4, flat=flat)  # 2 K steps per tile
     got_s, got_i, counts = kernels.launch_retrieval(
         users.to(dtype), table.to(dtype), exclude, k, FIRST, config, programs=3, merge_window=32
     )
     want_s, want_i = oracle(users @ table.t(), exclude, k, FIRST)
-    print(f"{name} {dtype}: candidates per user {counts.sum(1).tolist()}")
+    print(f"{name} {dtype} flat={flat}: candidates per user {counts.sum(1).tolist()}")
     assert torch.equal(got_i, want_i) and torch.equal(got_s, want_s)
 
 
