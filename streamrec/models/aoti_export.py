@@ -72,6 +72,7 @@ MODEL_CODE = (
     "streamrec.models.paged_attention",
     "streamrec.models.prefill_attention",
     "streamrec.models.prefill_kernels",
+    "streamrec.models.retrieval",
     "streamrec.models.config",
     "streamrec.schemas.events",
 )

@@ -30,6 +30,12 @@ from streamrec.models.paged_attention import (
     fused_context_attention,
 )
 from streamrec.models.prefill_attention import fused_prefill_attention, fused_prefill_enabled
+from streamrec.models.retrieval import (
+    NormalizedTable,
+    fused_retrieval_enabled,
+    fused_retrieve,
+    retrieve_reference,
+)
 from streamrec.schemas.events import Action
 
 LayerState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -77,6 +83,7 @@ class HSTU(nn.Module):
         # "auto" | "torch" | "triton": cached-context attention through the fused op
         # (streamrec/models/paged_attention.py) on CUDA when Triton is present.
         self.attention_backend = attention_backend
+        self.retrieval_table = NormalizedTable()  # retrieve's normalised item rows
         self.item_emb = nn.Embedding(config.num_items, config.d_model, padding_idx=0)
         self.action_emb = nn.Embedding(config.num_actions, config.d_model)
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
@@ -457,15 +464,17 @@ class HSTU(nn.Module):
     def retrieve(
         self, user_emb: torch.Tensor, k: int, exclude: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k retrievable rows by cosine score; exclude [B, E] row ids, -1 = none."""
-        scores = user_emb @ self.item_table().t()  # [B, V], a fresh tensor: masked in place
-        # (masking in place saves three passes over [B, V], 1M items each, per step)
-        scores[:, : self.config.first_item_row] = float("-inf")
-        # -1 maps to row 0 (padding), which is already blocked.
-        drop = exclude.clamp(min=0, max=scores.shape[1] - 1)
-        scores.scatter_(1, drop, float("-inf"))
-        top_scores, top_idx = torch.topk(scores, k, dim=1)
-        return top_scores, top_idx
+        """Top-k retrievable rows by cosine score; exclude [B, E] row ids, -1 = none.
+
+        On CUDA with Triton (and ``attention_backend`` not "torch") a fused GEMM + top-k
+        op over a cached normalised table (streamrec/models/retrieval.py); ties at the
+        k-th place may then pick other rows of equal score than ``torch.topk`` does.
+        """
+        table = self.retrieval_table.get(self.item_emb.weight)  # [V, D]
+        first = self.config.first_item_row
+        if fused_retrieval_enabled(self.attention_backend, user_emb, table, k, first):
+            return fused_retrieve(user_emb, table, exclude, k, first)
+        return retrieve_reference(user_emb, table, exclude, k, first)
 
 
 def validate_offsets(offsets: torch.Tensor, num_tokens: int, max_len: int | None = None) -> None:
