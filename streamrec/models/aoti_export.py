@@ -47,6 +47,7 @@ MODEL_CODE = (
     "streamrec.models.hstu",
     "streamrec.models.attention",
     "streamrec.models.paged_attention",
+    "streamrec.models.candidate_attention",
     "streamrec.models.config",
     "streamrec.schemas.events",
 )
