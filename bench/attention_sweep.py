@@ -10,6 +10,9 @@ times, in CUDA-graph replay (device time only):
 - ``rank``: the key-bias and candidate kernels (256 candidates per user, their own key
   folded in), launch shapes swept; ``tflop_s`` counts the two GEMMs (the target, ≥ 400
   at batch 64).
+- ``extend_step_1layer`` / ``rank_step_1layer``: the model's whole step on this 1-layer
+  model with the layer halves (LayerNorm + GEMM + SiLU, the output tail) fused or not:
+  device time and the number of kernels launched.
 - ``baseline`` rows (with ``--baseline-kernels``): the previous kernels as the model used
   them, in the same run: the old decode kernel plus the dense ``[T, T]`` new-token
   attention for extend; the old candidate kernel plus the separate self term for rank.
@@ -237,12 +240,56 @@ def rank_rows(
     return rows
 
 
+def _kernel_launches(fn: Callable[[], Any]) -> int:
+    """CUDA kernels (and memsets/copies) one eager call of ``fn`` launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_time_total > 0)
+
+
+def layer_rows(lay: SweepLayer) -> list[dict[str, object]]:
+    """One whole 1-layer step (extend of 1 token per user; rank of 256 candidates), the
+    layer halves fused or not (issue 14 item 5): device time and kernels launched."""
+    rows: list[dict[str, object]] = []
+    model, d = lay.model, lay.data
+    kv, ts_pool = d.cache.kv, d.cache.ts
+    steps: dict[str, Callable[[], Any]] = {
+        "extend": lambda: model.extend(
+            d.items, d.actions, d.ts, d.offsets, kv, ts_pool, d.tables, d.ext_lens
+        ),
+        "rank": lambda: model.rank(d.cand, d.ts, kv, ts_pool, d.tables, d.lens),
+    }
+    for op, step in steps.items():
+        for fused in (False, True):
+            model.fused_layers = fused
+            try:
+                launches = _kernel_launches(step)
+                ms = pct(time_ms(graphed(step), 20), 50)
+            except Exception as exc:  # report and keep the other rows
+                print(f"layer step {op} fused={fused}: {type(exc).__name__}: {exc}"[:300])
+                torch.cuda.synchronize()
+                continue
+            rows.append({
+                "section": "kernel", "op": f"{op}_step_1layer", "batch": lay.batch,
+                "impl": "fused-layers" if fused else "torch-layers", "ms": round(ms, 4),
+                "us_per_user": round(1000 * ms / lay.batch, 2), "kernels": launches,
+            })  # fmt: skip
+    model.fused_layers = True
+    return rows
+
+
 def sweep_batch(
     model: HSTU, batch: int, ceil: dict[str, float], baseline: Any = None, quick: bool = False
 ) -> list[dict[str, object]]:
     """Every extend and rank row of one batch size (the pool is freed afterwards)."""
     lay = SweepLayer(model, batch)
     rows = extend_rows(lay, ceil, baseline, quick) + rank_rows(lay, ceil, baseline, quick)
+    rows += layer_rows(lay)
     del lay
     torch.cuda.empty_cache()
     return rows
@@ -257,6 +304,10 @@ def summary(rows: list[dict[str, object]]) -> list[str]:
         key = (str(row["op"]), int(str(row["batch"])), int(str(row.get("new_tokens", 0))))
         groups.setdefault(key, []).append(row)
     lines = []
+    steps = [r for r in rows if str(r.get("op", "")).endswith("_step_1layer")]
+    for r in steps:
+        lines.append(f"{r['op']} batch {r['batch']} {r['impl']}: {r['ms']} ms, "
+                     f"{r['kernels']} kernels")  # fmt: skip
     for (op, batch, n), group in sorted(groups.items()):
         ours = [r for r in group if r["impl"] == "triton"]
         base = [r for r in group if r["impl"] == "baseline"]

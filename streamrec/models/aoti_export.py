@@ -48,6 +48,7 @@ MODEL_CODE = (
     "streamrec.models.attention",
     "streamrec.models.paged_attention",
     "streamrec.models.candidate_attention",
+    "streamrec.models.fused_layer",
     "streamrec.models.config",
     "streamrec.schemas.events",
 )

@@ -27,6 +27,7 @@ from streamrec.models.attention import (
 )
 from streamrec.models.candidate_attention import fused_candidate_attention
 from streamrec.models.config import HSTUConfig
+from streamrec.models.fused_layer import fused_layer_usable, fused_output, fused_project
 from streamrec.models.paged_attention import fused_attention_enabled, fused_token_attention
 from streamrec.schemas.events import Action
 
@@ -65,17 +66,34 @@ class HSTULayer(nn.Module):
         self.time_bias = nn.Parameter(torch.zeros(config.num_time_buckets, config.num_heads))
         self.dropout = nn.Dropout(config.dropout)
 
-    def project(self, x: torch.Tensor) -> LayerState:
-        """x [..., D] -> u, v, q, k, each [..., H, d]."""
-        h = F.silu(self.uvqk(self.norm_in(x)))  # [..., 4*H*d]
+    def project(self, x: torch.Tensor, fused: bool = False) -> LayerState:
+        """x [..., D] -> u, v, q, k, each [..., H, d] (``fused``: one kernel, see
+        ``fusable``)."""
+        if fused:
+            h = fused_project(x, self.norm_in, self.uvqk)  # [..., 4*H*d]
+        else:
+            h = F.silu(self.uvqk(self.norm_in(x)))  # [..., 4*H*d]
         shape = (*x.shape[:-1], self.num_heads, self.head_dim)
         u, v, q, k = (part.reshape(shape) for part in h.chunk(4, dim=-1))
         return u, v, q, k
 
-    def output(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def output(
+        self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor, fused: bool = False
+    ) -> torch.Tensor:
         """Residual update x + Linear(u ⊙ LayerNorm(attn)); u, attn [..., H, d]."""
+        if fused:
+            return fused_output(x, u.flatten(-2), attn.flatten(-2), self.norm_attn, self.proj)
         gated = u.flatten(-2) * self.norm_attn(attn.flatten(-2))  # [..., H*d]
         return x + self.dropout(self.proj(gated))
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        """Whether ``project``/``output`` may run fused for input x: see
+        ``fused_layer_usable``; dropout must be inactive."""
+        return (
+            (not self.training or self.dropout.p == 0.0)
+            and fused_layer_usable(x, self.norm_in, self.uvqk)
+            and fused_layer_usable(x, self.norm_attn, self.proj)
+        )
 
     def bias0(self) -> torch.Tensor:
         """rab of a token with itself (relative position 0, dt = 0): [H]."""
@@ -85,12 +103,17 @@ class HSTULayer(nn.Module):
 class HSTU(nn.Module):
     """Item + action embeddings, HSTU layers, final LayerNorm, multi-task heads."""
 
-    def __init__(self, config: HSTUConfig, attention_backend: str = "auto") -> None:
+    def __init__(
+        self, config: HSTUConfig, attention_backend: str = "auto", fused_layers: bool = True
+    ) -> None:
         super().__init__()
         self.config = config
         # "auto" | "torch" | "triton": cached-context attention through the fused op
         # (streamrec/models/paged_attention.py) on CUDA when Triton is present.
         self.attention_backend = attention_backend
+        # extend/rank: LayerNorm + GEMM + SiLU and the output tail as one kernel each
+        # (streamrec/models/fused_layer.py) where that can run; never with "torch".
+        self.fused_layers = fused_layers
         self.item_emb = nn.Embedding(config.num_items, config.d_model, padding_idx=0)
         self.action_emb = nn.Embedding(config.num_actions, config.d_model)
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
@@ -109,6 +132,12 @@ class HSTU(nn.Module):
             self.item_emb.weight[0].zero_()
 
     # ---------------------------------------------------------------- helpers
+
+    def _layers_fused(self, x: torch.Tensor) -> bool:
+        """Whether extend/rank run the layers' GEMM halves fused for input x."""
+        layer = self.layers[0]
+        assert isinstance(layer, HSTULayer)
+        return self.fused_layers and self.attention_backend != "torch" and layer.fusable(x)
 
     def _embed(self, items: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """A token's input is frozen when appended: item + action, nothing time-relative."""
@@ -451,11 +480,12 @@ class HSTU(nn.Module):
         edges: torch.Tensor = self.time_edges  # type: ignore[assignment]
         fused = fused_attention_enabled(self.attention_backend, x, self.config.head_dim)
         geo = None if fused else self._new_token_geometry(offsets, users, tok - first, pos, ts)
+        fl = self._layers_fused(x)
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
         for idx, layer in enumerate(self.layers):
             assert isinstance(layer, HSTULayer)
-            u, v, q, k = layer.project(x)  # [T, H, d]
+            u, v, q, k = layer.project(x, fl)  # [T, H, d]
             if geo is None:  # cached keys, then the user's new keys up to the token
                 attn = fused_token_attention(
                     q, k, v, pos, ts, users, first, kv_pool[idx], ts_pool, block_tables,
@@ -465,7 +495,7 @@ class HSTU(nn.Module):
                 attn = self._context_attention(
                     idx, q, pos, ts, users, kv_pool, ts_pool, block_tables, cached_lens
                 ) + self._new_token_attention(layer, q, k, v, geo)
-            x = layer.output(x, u, attn)
+            x = layer.output(x, u, attn, fl)
             ks.append(k)
             vs.append(v)
         z = self.norm_out(x)
@@ -486,13 +516,14 @@ class HSTU(nn.Module):
         timestamp query_ts[b]; it sees b's cache and itself, never another candidate.
         """
         x = self._embed(cand_items, torch.full_like(cand_items, int(Action.CANDIDATE)))
+        fl = self._layers_fused(x)
         for idx, layer in enumerate(self.layers):
             assert isinstance(layer, HSTULayer)
-            u, v, q, k = layer.project(x)  # [B, C, H, d]
+            u, v, q, k = layer.project(x, fl)  # [B, C, H, d]
             attn = self._candidate_attention(
                 idx, q, k, v, query_ts, kv_pool, ts_pool, block_tables, cached_lens
             )
-            x = layer.output(x, u, attn)  # [B, C, D]
+            x = layer.output(x, u, attn, fl)  # [B, C, D]
         return torch.sigmoid(self.task_head(self.norm_out(x)))
 
     def retrieve(

@@ -332,9 +332,9 @@ def test_prefill_width_changes_cost_not_results() -> None:
 @pytest.mark.gpu
 @torch.no_grad()
 def test_fused_extend_and_rank_equal_the_torch_path(monkeypatch) -> None:
-    """The model through the fused kernels (CUDA, or the Triton CPU interpreter with the
-    backend switch forced) equals its torch path: multi-token extends with idle users,
-    then rank over the cache they built, fp32."""
+    """The model through the fused kernels (attention and layer halves; CUDA, or the
+    Triton CPU interpreter with the switches forced) equals its torch path: multi-token
+    extends with idle users, then rank over the cache they built, fp32."""
     from streamrec.models import hstu as hstu_module
     from tests.models.triton_interpreter import interpreting, patch_scalar_index
 
@@ -344,10 +344,11 @@ def test_fused_extend_and_rank_equal_the_torch_path(monkeypatch) -> None:
         patch_scalar_index()
         device = "cpu"
         monkeypatch.setattr(hstu_module, "fused_attention_enabled", lambda *a: True)
+        monkeypatch.setattr(hstu_module.HSTULayer, "fusable", lambda self, x: True)
     else:
         pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with Triton installed)")
     cfg = HSTUConfig(
-        num_items=60, d_model=32, num_layers=2, num_heads=2, head_dim=16, max_seq_len=64,
+        num_items=60, d_model=64, num_layers=2, num_heads=2, head_dim=32, max_seq_len=64,
         num_time_buckets=10, task_hidden=8,
     )  # fmt: skip
     torch.manual_seed(0)

@@ -386,9 +386,9 @@ def test_long_histories_and_splits(rank: bool) -> None:
 def test_decode_launch_variants_and_determinism() -> None:
     """Every launch shape the sweep tries gives the reference; one key range or many
     (the last range to finish adds the partials in a fixed order: bit-identical)."""
+    device = kernel_device()
     from streamrec.models import paged_attention as pa
 
-    device = kernel_device()
     c = make_case([0, 17, 40, 33], [2, 0, 19, 1], rank=False, device=device, seed=11)
     want = c.reference()
     args = (c.q, c.pos, c.ts, c.users, c.q_start, c.k_new, c.v_new, c.kv[0], c.kv[1],
@@ -404,9 +404,9 @@ def test_decode_launch_variants_and_determinism() -> None:
 
 @pytest.mark.gpu
 def test_candidate_launch_variants() -> None:
+    device = kernel_device()
     from streamrec.models import candidate_attention as ca
 
-    device = kernel_device()
     c = make_case([0, 17, 40, 70], 19, rank=True, device=device, seed=12)
     want = c.reference()
     args = (c.per_user(c.q), c.per_user(c.k_new), c.per_user(c.v_new), c.first(c.pos),
