@@ -19,7 +19,7 @@ import torch
 from streamrec.models.config import HSTUConfig
 from streamrec.models.fused_layer import fused_layer_usable
 from streamrec.models.hstu import HSTULayer
-from tests.models.triton_interpreter import interpreting, patch_scalar_index
+from tests.models.triton_interpreter import kernel_device
 
 ON_GPU = torch.cuda.is_available()
 
@@ -28,15 +28,6 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.double(), want.double()
     assert torch.isfinite(got).all()
     return float((got - want).norm() / want.norm().clamp(min=1e-30))
-
-
-def kernel_device() -> str:
-    if ON_GPU:
-        return "cuda"
-    if interpreting():
-        patch_scalar_index()
-        return "cpu"
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with Triton installed)")
 
 
 def _layer(d_model: int, heads: int, head_dim: int, device: str) -> HSTULayer:

@@ -39,7 +39,7 @@ from streamrec.models.paged_attention import (
     fused_token_attention,
     paged_silu_attention_reference,
 )
-from tests.models.triton_interpreter import interpreting, patch_scalar_index
+from tests.models.triton_interpreter import kernel_device
 
 BF16_TOL = 1e-2
 FP32_TOL = 1e-5
@@ -320,16 +320,6 @@ def test_fast_silu_only_in_eager_low_precision_launches() -> None:
 
 
 # ------------------------------------------------------------- GPU / interpreter
-
-
-def kernel_device() -> str:
-    """The kernels' device: CUDA on the GPU machine, the CPU under the interpreter."""
-    if ON_GPU:
-        return "cuda"
-    if interpreting():
-        patch_scalar_index()
-        return "cpu"
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with Triton installed)")
 
 
 def _cuda_only() -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
+import torch
 
 
 def interpreting() -> bool:
@@ -40,3 +42,14 @@ def patch_scalar_index() -> None:
 
     patched._streamrec_patched = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = patched
+
+
+def kernel_device() -> str:
+    """Where a kernel test runs: "cuda" on the GPU machine, "cpu" under the interpreter
+    (patched), else the test is skipped."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if interpreting():
+        patch_scalar_index()
+        return "cpu"
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 with Triton installed)")
