@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         rows = run(args.batches, peer)
     print_table(rows)
-    meta = {
+    meta: dict[str, object] = {
         "device": torch.cuda.get_device_name(),
         "peer": "meta-recsys/generative-recommenders triton_cached_hstu_mha"
         if peer is not None
