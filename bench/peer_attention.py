@@ -72,7 +72,9 @@ def load_peer(full_autotune: bool) -> Any:
     return module
 
 
-def _contiguous_kv(lay: SweepLayer, new_k: torch.Tensor, new_v: torch.Tensor, n: int):
+def _contiguous_kv(
+    lay: SweepLayer, new_k: torch.Tensor, new_v: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each user's 2,048 cached K/V rows (gathered from the pool) then its n new ones,
     jagged [B·(L+n), H, d], and the offsets [B+1]."""
     d = lay.data
