@@ -107,7 +107,8 @@ if triton is not None:
             delta = c_mean - mean
             mean += delta * (1.0 / (c + 1))
             m2 += tl.sum(dev * dev, 1) + delta * delta * (c * BLOCK_K / (c + 1))
-        rstd = 1.0 / tl.sqrt(m2 / K + eps)  # [BM]
+        # (Inductor passes Python floats as fp64 scalars: keep the row math in fp32)
+        rstd = (1.0 / tl.sqrt(m2 / K + eps)).to(tl.float32)  # [BM]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             ks = k0 + offs_k  # [BK]
