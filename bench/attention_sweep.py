@@ -45,13 +45,14 @@ Tail = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
 EXTEND_VARIANTS: list[tuple[int, int, int, bool]] = [
     (pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.TARGET_PROGRAMS, pa.DECODE_ACC2D),
     (64, 4, 1024, True), (16, 4, 1024, True), (32, 2, 1024, True), (64, 8, 1024, True),
-    (32, 4, 2048, True), (64, 2, 1024, False), (32, 4, 512, True),
+    (32, 4, 2048, True), (64, 2, 1024, False), (32, 4, 512, True), (32, 4, 4096, True),
+    (64, 4, 4096, True),
 ]  # fmt: skip
 # (block_m, block_n, warps, stages, target programs); the first is the op's default.
 RANK_VARIANTS: list[tuple[int, int, int, int, int]] = [
     (ca.CAND_BLOCK_M, ca.CAND_BLOCK_N, ca.CAND_WARPS, ca.CAND_STAGES, ca.CAND_TARGET_PROGRAMS),
     (128, 64, 8, 3, 256), (128, 32, 8, 2, 256), (128, 128, 8, 2, 256), (64, 64, 4, 3, 256),
-    (128, 64, 4, 2, 256), (64, 128, 4, 2, 256), (128, 64, 8, 2, 1024),
+    (128, 64, 4, 2, 256), (64, 128, 4, 2, 256), (128, 64, 8, 2, 1024), (256, 32, 8, 2, 256),
 ]  # fmt: skip
 
 
