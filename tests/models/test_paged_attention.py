@@ -404,6 +404,7 @@ def test_candidate_launch_variants() -> None:
             c.time_bias, c.edges, c.divisor)  # fmt: skip
     for block_m, block_n, warps, stages, target in [
         (16, 16, 4, 2, 1), (64, 32, 4, 2, 1024), (128, 64, 8, 3, 256), (128, 16, 8, 2, 4096),
+        (64, 128, 4, 2, 256), (256, 32, 8, 2, 256),
     ]:  # fmt: skip
         got = ca.launch_candidates(*args, block_m, block_n, warps, stages, target)
         assert rel_err(got.view_as(c.q), want) < FP32_TOL, (block_m, block_n, target)
