@@ -3,7 +3,7 @@
 ``gpu`` tests run on the H200 and, at small fp32 shapes, on the CPU interpreter:
 
     TRITON_INTERPRET=1 PYTHONPATH=$PWD /work/triton-venv/bin/python -m pytest -c /dev/null \\
-        --noconftest -p no:cacheprovider -q -m gpu tests/models/test_fused_layer.py
+        --noconftest -o markers=gpu -p no:cacheprovider -q -m gpu tests/models/test_fused_layer.py
 
 Tolerances: fp32 uses IEEE dots (1e-5 relative); bf16 rounds LayerNorm's output (and the
 gated product) to bf16 before the dot as the torch path does, but applies bias, SiLU and
@@ -19,7 +19,7 @@ import torch
 from streamrec.models.config import HSTUConfig
 from streamrec.models.fused_layer import fused_layer_usable
 from streamrec.models.hstu import HSTULayer
-from tests.models.triton_interpreter import kernel_device
+from tests.models.kernel_device import kernel_device
 
 ON_GPU = torch.cuda.is_available()
 
@@ -52,10 +52,10 @@ def test_usable_only_for_cuda_inference() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 5, 70])
 @torch.no_grad()
-def test_fused_halves_match_torch_fp32(rows: int) -> None:
+def test_fused_halves_match_torch_fp32(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both kernels equal project/output of the torch path, rows past a tile included,
     on the strided views the layer really passes (chunks of the projection)."""
-    device = kernel_device()
+    device = kernel_device(monkeypatch)
     layer = _layer(64, 2, 32, device)
     x = torch.randn(rows, 64, device=device) * 3 + 1  # a mean offset: the LayerNorm stats
     u, v, q, k = layer.project(x)
@@ -70,9 +70,9 @@ def test_fused_halves_match_torch_fp32(rows: int) -> None:
 
 @pytest.mark.gpu
 @torch.no_grad()
-def test_fused_candidates_shape_fp32() -> None:
+def test_fused_candidates_shape_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     """[B, C, D] inputs (rank) through both kernels."""
-    device = kernel_device()
+    device = kernel_device(monkeypatch)
     layer = _layer(64, 2, 32, device)
     x = torch.randn(3, 7, 64, device=device)
     u, v, q, k = layer.project(x)
@@ -84,8 +84,8 @@ def test_fused_candidates_shape_fp32() -> None:
 
 @pytest.mark.gpu
 @torch.no_grad()
-def test_launch_variants_fp32() -> None:
-    device = kernel_device()
+def test_launch_variants_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    device = kernel_device(monkeypatch)
     from streamrec.models.fused_layer import launch_norm_linear
 
     layer = _layer(128, 2, 32, device)

@@ -336,9 +336,9 @@ def test_fused_extend_and_rank_equal_the_torch_path(monkeypatch) -> None:
     Triton CPU interpreter with the switches forced) equals its torch path: multi-token
     extends with idle users, then rank over the cache they built, fp32."""
     from streamrec.models import hstu as hstu_module
-    from tests.models.triton_interpreter import kernel_device
+    from tests.models.kernel_device import kernel_device
 
-    device = kernel_device()
+    device = kernel_device(monkeypatch)
     if device == "cpu":  # the interpreter: force the switches that want CUDA tensors
         monkeypatch.setattr(hstu_module, "fused_attention_enabled", lambda *a: True)
         monkeypatch.setattr(hstu_module.HSTULayer, "fusable", lambda self, x: True)

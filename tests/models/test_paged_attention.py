@@ -7,7 +7,7 @@ tokens per user (decode) and the candidates' own keys (rank). The same ``gpu`` t
 on the CPU interpreter at small shapes (fp32 only):
 
     TRITON_INTERPRET=1 PYTHONPATH=$PWD /work/triton-venv/bin/python -m pytest -c /dev/null \
-        --noconftest -p no:cacheprovider -q -m gpu tests/models/test_paged_attention.py
+        --noconftest -o markers=gpu -p no:cacheprovider -q -m gpu tests/models/test_paged_attention.py
 
 Tolerances: fp32 inputs use IEEE fp32 dots in the kernels, so the ops match the fp32
 reference within 1e-5 relative error. bf16 inputs: the ops accumulate in fp32 and round
@@ -39,7 +39,7 @@ from streamrec.models.paged_attention import (
     fused_token_attention,
     paged_silu_attention_reference,
 )
-from tests.models.triton_interpreter import kernel_device
+from tests.models.kernel_device import kernel_device
 
 BF16_TOL = 1e-2
 FP32_TOL = 1e-5
@@ -330,8 +330,8 @@ def _cuda_only() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("rank", [False, True])
-def test_op_matches_reference_fp32(batch: int, rank: bool) -> None:
-    device = kernel_device()
+def test_op_matches_reference_fp32(batch: int, rank: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    device = kernel_device(monkeypatch)
     queries = 32 if rank else new_token_counts(batch, batch)
     case = make_case(edge_lengths(batch, batch), queries, rank, device, seed=batch)
     got = case.fused()
@@ -358,10 +358,10 @@ def test_op_bf16_error(batch: int, rank: bool) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rank", [False, True])
-def test_long_histories_and_splits(rank: bool) -> None:
+def test_long_histories_and_splits(rank: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Lengths past one key range and one key tile, several candidate tiles per user,
     runs of new tokens longer than a key tile."""
-    device = kernel_device()
+    device = kernel_device(monkeypatch)
     if ON_GPU:
         lens, cands, counts = [0, 255, 256, 257, 700, 1100, 3, 4096], 130, [3, 40, 1, 0]
     else:
@@ -373,10 +373,10 @@ def test_long_histories_and_splits(rank: bool) -> None:
 
 
 @pytest.mark.gpu
-def test_decode_launch_variants_and_determinism() -> None:
+def test_decode_launch_variants_and_determinism(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every launch shape the sweep tries gives the reference; one key range or many
     (the last range to finish adds the partials in a fixed order: bit-identical)."""
-    device = kernel_device()
+    device = kernel_device(monkeypatch)
     from streamrec.models import paged_attention as pa
 
     c = make_case([0, 17, 40, 33], [2, 0, 19, 1], rank=False, device=device, seed=11)
@@ -393,8 +393,8 @@ def test_decode_launch_variants_and_determinism() -> None:
 
 
 @pytest.mark.gpu
-def test_candidate_launch_variants() -> None:
-    device = kernel_device()
+def test_candidate_launch_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    device = kernel_device(monkeypatch)
     from streamrec.models import candidate_attention as ca
 
     c = make_case([0, 17, 40, 70], 19, rank=True, device=device, seed=12)
