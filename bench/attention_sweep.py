@@ -34,6 +34,7 @@ import torch
 from bench.h200_common import Batch, build_model, graphed, pct, time_ms
 from bench.reference_config import HSTU_8L, SPEEDUP_HISTORY_LEN
 from streamrec.models import candidate_attention as ca
+from streamrec.models import fused_layer as fl
 from streamrec.models import paged_attention as pa
 from streamrec.models.attention import self_attention_term
 from streamrec.models.hstu import HSTU, HSTULayer, NewTokenGeometry
@@ -284,6 +285,45 @@ def layer_rows(lay: SweepLayer) -> list[dict[str, object]]:
     return rows
 
 
+# (block_m, block_n, block_k, warps, stages) of the fused LayerNorm + GEMM kernel.
+LAYER_VARIANTS: list[tuple[int, int, int, int, int]] = [
+    (fl.LAYER_BLOCK_M, fl.LAYER_BLOCK_N, fl.LAYER_BLOCK_K, fl.LAYER_WARPS, fl.LAYER_STAGES),
+    (64, 128, 64, 4, 3), (128, 256, 64, 8, 3), (128, 64, 64, 4, 3),
+]  # fmt: skip
+
+
+def layer_gemm_rows(lay: SweepLayer) -> list[dict[str, object]]:
+    """The uvqk half of a layer at rank's row count (B·256 candidates): the fused kernel
+    per launch shape against LayerNorm + cuBLAS GEMM + SiLU, TFLOP/s of the GEMM."""
+    rows: list[dict[str, object]] = []
+    layer = lay.layer
+    m = lay.batch * HSTU_8L.num_candidates
+    x = lay.randn(m, layer.uvqk.in_features)
+    n, lin = layer.norm_in, layer.uvqk
+    flops = 2.0 * m * lin.in_features * lin.out_features
+    want = torch.nn.functional.silu(lin(n(x)))
+    calls: list[tuple[str, str, Callable[[], torch.Tensor]]] = [
+        ("torch", "layernorm+addmm+silu", lambda: torch.nn.functional.silu(lin(n(x))))
+    ]
+    for var in LAYER_VARIANTS:
+        calls.append(("triton", "x".join(map(str, var)), _bind(
+            fl.launch_norm_linear, x, None, n.weight, n.bias, n.eps, lin.weight, lin.bias,
+            None, True, *var,
+        )))  # fmt: skip
+    for impl, launch, call in calls:
+        timed = _timed(call, f"layer project {launch}")
+        if timed is None:
+            continue
+        out, ms = timed
+        rows.append({
+            "section": "kernel", "op": "layer_project", "batch": lay.batch, "rows": m,
+            "impl": impl, "launch": launch, "ms": round(ms, 4),
+            "tflop_s": round(flops / ms / 1e9, 1),
+            "rel_diff_vs_torch": round(_rel_err(out, want.float()), 5),
+        })  # fmt: skip
+    return rows
+
+
 def sweep_batch(
     model: HSTU, batch: int, ceil: dict[str, float], baseline: Any = None, quick: bool = False
 ) -> list[dict[str, object]]:
@@ -291,6 +331,8 @@ def sweep_batch(
     lay = SweepLayer(model, batch)
     rows = extend_rows(lay, ceil, baseline, quick) + rank_rows(lay, ceil, baseline, quick)
     rows += layer_rows(lay)
+    if batch >= 16:  # rank's row counts: where the GEMM, not the launch, is the cost
+        rows += layer_gemm_rows(lay)
     del lay
     torch.cuda.empty_cache()
     return rows

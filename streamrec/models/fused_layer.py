@@ -35,10 +35,10 @@ except ImportError:  # pragma: no cover - exercised on the CPU CI machine
 OP_PROJECT = "streamrec::norm_linear_silu"
 OP_OUTPUT = "streamrec::gated_norm_linear_residual"
 # Launch shape: fixed (no branch on the traced row count M), sweepable in the bench.
-LAYER_BLOCK_M = 64
+LAYER_BLOCK_M = 128
 LAYER_BLOCK_N = 128
 LAYER_BLOCK_K = 64
-LAYER_WARPS = 4
+LAYER_WARPS = 8
 LAYER_STAGES = 3
 
 

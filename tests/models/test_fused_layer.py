@@ -93,7 +93,8 @@ def test_launch_variants_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     want = torch.nn.functional.silu(layer.uvqk(layer.norm_in(x)))
     n, lin = layer.norm_in, layer.uvqk
     for block_m, block_n, block_k, warps, stages in [
-        (16, 32, 32, 4, 2), (64, 64, 64, 4, 3), (128, 128, 64, 8, 3),
+        (16, 32, 32, 4, 2), (64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3),
+        (128, 256, 64, 8, 3), (128, 64, 64, 4, 3),
     ]:  # fmt: skip
         got = launch_norm_linear(
             x, None, n.weight, n.bias, n.eps, lin.weight, lin.bias, None, True, block_m,
