@@ -351,6 +351,10 @@ def summary(rows: list[dict[str, object]]) -> list[str]:
     for r in steps:
         lines.append(f"{r['op']} batch {r['batch']} {r['impl']}: {r['ms']} ms, "
                      f"{r['kernels']} kernels")  # fmt: skip
+    for r in rows:
+        if r.get("op") == "layer_project":
+            lines.append(f"best layer_project batch {r['batch']} {r['impl']} {r['launch']}: "
+                         f"{r['ms']} ms, {r['tflop_s']} TFLOP/s")  # fmt: skip
     for (op, batch, n), group in sorted(groups.items()):
         ours = [r for r in group if r["impl"] == "triton"]
         base = [r for r in group if r["impl"] == "baseline"]
