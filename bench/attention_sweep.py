@@ -353,7 +353,7 @@ def summary(rows: list[dict[str, object]]) -> list[str]:
                      f"{r['kernels']} kernels")  # fmt: skip
     for r in rows:
         if r.get("op") == "layer_project":
-            lines.append(f"best layer_project batch {r['batch']} {r['impl']} {r['launch']}: "
+            lines.append(f"layer_project batch {r['batch']} {r['impl']} {r['launch']}: "
                          f"{r['ms']} ms, {r['tflop_s']} TFLOP/s")  # fmt: skip
     for (op, batch, n), group in sorted(groups.items()):
         ours = [r for r in group if r["impl"] == "triton"]

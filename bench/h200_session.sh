@@ -28,7 +28,7 @@ for stage in "$@"; do
         | tee "$OUT/gpu_tests_models.log" | grep -E "rel err|bf16|passed|failed|Error" | tail -30
       base=""; [ -f .carry/old_paged_attention.py ] && base="--baseline-kernels .carry/old_paged_attention.py"
       python3 -m bench.h200_bench --sections attention $base --out "$OUT" 2>&1 \
-        | tee "$OUT/attention_sweep.log" | grep -E "^best|step_1layer|^kernel |^layer |^ceilings|^section|^wrote|Error" | tail -60
+        | tee "$OUT/attention_sweep.log" | grep -E "^best|step_1layer|^kernel |^layer|^ceilings|^section|^wrote|Error" | tail -60
       cp "$OUT/h200.json" "$OUT/h200_attention_sweep.json"
       cp "$OUT/h200.json" bench/results/h200_attention_sweep.json
       python3 -m bench.peer_attention --out "$OUT" 2>&1 | tail -16 ;;
