@@ -112,16 +112,18 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             ks = k0 + offs_k  # [BK]
-            a = tl.load(a_ptr + rows64[:, None] * stride_am + ks[None, :], mask=rmask[:, None],
+            # (not ``a``: the statistics loop left an fp32 ``a``, and Triton would carry it
+            # into this loop with that type)
+            x = tl.load(a_ptr + rows64[:, None] * stride_am + ks[None, :], mask=rmask[:, None],
                         other=0.0)  # fmt: skip
             lnw = tl.load(lnw_ptr + ks).to(tl.float32)
             lnb = tl.load(lnb_ptr + ks).to(tl.float32)
-            a_n = (a.to(tl.float32) - mean[:, None]) * rstd[:, None] * lnw[None, :] + lnb[None, :]
-            a_n = a_n.to(a.dtype)  # the torch path rounds LayerNorm's output
+            a_n = (x.to(tl.float32) - mean[:, None]) * rstd[:, None] * lnw[None, :] + lnb[None, :]
+            a_n = a_n.to(x.dtype)  # the torch path rounds LayerNorm's output
             if GATED:
                 u = tl.load(g_ptr + rows64[:, None] * stride_gm + ks[None, :],
                             mask=rmask[:, None], other=0.0)  # fmt: skip
-                a_n = (u.to(tl.float32) * a_n.to(tl.float32)).to(a.dtype)
+                a_n = (u.to(tl.float32) * a_n.to(tl.float32)).to(x.dtype)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
                         mask=cmask[None, :], other=0.0)  # [BK, BN]  # fmt: skip
             if IEEE:

@@ -373,15 +373,17 @@ if triton is not None:
                                pos_bias_ptr, edges, tb_delta, tb0, inv_divisor, H, NUM_POS,
                                ACC2D, FAST)  # fmt: skip
         if split == 0:  # this call's own tokens of the user: q_start[g] .. g
-            for start in range(tl.load(q_start_ptr + g), g + 1, BLOCK_N):
-                keys = start + tl.arange(0, BLOCK_N)  # [BN] token indices
-                kmask = keys <= g
-                offs = (keys * stride_new + h * D)[:, None] + offs_d[None, :]  # [BN, D]
-                k = tl.load(kn_ptr + offs, mask=kmask[:, None], other=0.0)
-                v = tl.load(vn_ptr + offs, mask=kmask[:, None], other=0.0)
-                k_ts = tl.load(q_ts_ptr + keys, mask=kmask, other=0)
-                k_pos = tl.load(q_pos_ptr + keys, mask=kmask, other=0).to(tl.int32)
-                acc = _decode_tile(acc, q, k, v, pos - k_pos, kmask, ts_q - k_ts, h,
+            # (names of their own: a name the key loop above assigned would be carried
+            # into this loop with the key loop's types, int32 keys against int64 here)
+            for first in range(tl.load(q_start_ptr + g), g + 1, BLOCK_N):
+                tokens = first + tl.arange(0, BLOCK_N)  # [BN] token indices
+                tmask = tokens <= g
+                offs = (tokens * stride_new + h * D)[:, None] + offs_d[None, :]  # [BN, D]
+                kn = tl.load(kn_ptr + offs, mask=tmask[:, None], other=0.0)
+                vn = tl.load(vn_ptr + offs, mask=tmask[:, None], other=0.0)
+                t_ts = tl.load(q_ts_ptr + tokens, mask=tmask, other=0)
+                t_pos = tl.load(q_pos_ptr + tokens, mask=tmask, other=0).to(tl.int32)
+                acc = _decode_tile(acc, q, kn, vn, pos - t_pos, tmask, ts_q - t_ts, h,
                                    pos_bias_ptr, edges, tb_delta, tb0, inv_divisor, H,
                                    NUM_POS, ACC2D, FAST)  # fmt: skip
         if ACC2D:  # noqa: SIM108 (Triton resolves a constexpr if, not a ternary)
