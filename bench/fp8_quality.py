@@ -23,7 +23,7 @@ import torch
 
 from streamrec.models.serving_precision import ServingPrecision
 from streamrec.offline.datasets import read_movielens
-from streamrec.offline.evaluation import evaluate
+from streamrec.offline.evaluation import EvalResult, evaluate
 
 RESULTS = Path(__file__).parent / "results" / "fp8_quality.json"
 # (name, model dtype, precision); the first bf16 row is the baseline of the others.
@@ -46,29 +46,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     data = read_movielens(args.ratings)
-    rows = []
+    results: list[tuple[str, str, ServingPrecision, EvalResult, float]] = []
     for name, dtype, precision in CONFIGS:
         start = time.perf_counter()
         result = evaluate(args.model, data, k=args.k, dtype=dtype, precision=precision,
                           report=None)  # fmt: skip
+        results.append((name, dtype, precision, result, time.perf_counter() - start))
+        print(f"{name}: HR@{args.k} {result.model.hr:.4f} NDCG@{args.k} "
+              f"{result.model.ndcg:.4f}", flush=True)  # fmt: skip
+    base = next(r for name, _, _, r, _ in results if name == "bf16").model
+    print(f"\n{'config':<26}{'HR@k':>9}{'NDCG@k':>9}{'HR vs bf16':>12}{'NDCG vs bf16':>14}")
+    rows = []
+    for name, dtype, precision, result, seconds in results:
+        m = result.model
+        hr_rel, ndcg_rel = m.hr / base.hr - 1.0, m.ndcg / base.ndcg - 1.0
+        print(f"{name:<26}{m.hr:>9.4f}{m.ndcg:>9.4f}{hr_rel:>+11.2%} {ndcg_rel:>+13.2%}")
         rows.append({
             "config": name, "dtype": dtype, "kv_dtype": precision.kv_dtype,
-            "weight_dtype": precision.weight_dtype, f"hr@{args.k}": result.model.hr,
-            f"ndcg@{args.k}": result.model.ndcg, "mrr": result.model.mrr,
+            "weight_dtype": precision.weight_dtype, "k": args.k, "hr": m.hr, "ndcg": m.ndcg,
+            "mrr": m.mrr, "hr_rel_vs_bf16": hr_rel, "ndcg_rel_vs_bf16": ndcg_rel,
             "users": result.num_users, "model_version": result.model_version,
-            "seconds": round(time.perf_counter() - start, 1),
+            "seconds": round(seconds, 1),
         })  # fmt: skip
-        print(f"{name}: {rows[-1]}", flush=True)
-    base = next(r for r in rows if r["config"] == "bf16")
-    hr, ndcg = f"hr@{args.k}", f"ndcg@{args.k}"
-    print(f"\n{'config':<26}{hr:>9}{ndcg:>9}{'HR vs bf16':>12}{'NDCG vs bf16':>14}")
-    for row in rows:
-        row["hr_rel_vs_bf16"] = row[hr] / base[hr] - 1.0
-        row["ndcg_rel_vs_bf16"] = row[ndcg] / base[ndcg] - 1.0
-        print(
-            f"{row['config']:<26}{row[hr]:>9.4f}{row[ndcg]:>9.4f}"
-            f"{row['hr_rel_vs_bf16']:>+11.2%} {row['ndcg_rel_vs_bf16']:>+13.2%}"
-        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2) + "\n")
     if os.environ.get("OUT"):
