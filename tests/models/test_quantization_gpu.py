@@ -5,6 +5,16 @@ The checks of test_hstu_gpu.py with the model at an FP8 precision: prefill(histo
 equals prefill(prefix) + extends of 1..5 tokens (user embeddings, cached values), rank
 over the incremental cache equals rank over a recompute, rank writes nothing. Errors and
 the share of cached codes that differ are printed (``-s``) for BENCHMARKS.md.
+
+In fp32 the two paths differ by ~1e-7, so a code differs only where a value sits on an
+e4m3 rounding boundary (none in the CPU tests). In bf16 they differ by ~1e-2 from the
+first layer on (the bf16 bound of test_hstu_gpu is 3e-2), and quantizing amplifies that:
+a value 1 % off lands on the neighbouring code (6-12 % away) in ~10 % of the cached
+codes with FP8 KV, and FP8 activations in every GEMM do the same to the layer inputs
+(~27 % of the codes). Measured on the CPU (bf16, this test's model at 160 tokens): user
+embedding 1.8e-2 (FP8 KV) and 5.2e-2 (FP8 KV + weights) against 1.0e-2 without FP8,
+and the FP8-weight model itself is 7.2e-2 from the fp32 model: the paths still agree to
+within the quantization error.
 """
 
 from __future__ import annotations
@@ -21,10 +31,14 @@ from streamrec.models.serving_precision import ServingPrecision
 from streamrec.schemas.events import NUM_ACTIONS
 from tests.models.test_hstu_gpu import BLOCK_SIZE, _jagged, _model, _write, rel_err
 
-# Relative error bounds: the bf16 bound of test_hstu_gpu (3e-2) plus room for the rare
-# values that a bf16 rounding difference moves across an e4m3 rounding boundary.
-TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
-CODE_MISMATCH_TOL = {"float32": 1e-4, "bfloat16": 5e-2}
+# Relative error bounds (docs/contracts.md, "FP8 serving"): (model dtype, FP8 weights).
+TOLERANCE = {
+    ("float32", False): 1e-3, ("float32", True): 1e-3,
+    ("bfloat16", False): 3e-2, ("bfloat16", True): 1e-1,
+}  # fmt: skip
+# Share of cached codes that may differ: rare in fp32; in bf16 a wrong scale would make
+# nearly all differ, the rounding differences above make 10-30 % differ.
+CODE_MISMATCH_TOL = {"float32": 1e-4, "bfloat16": 0.5}
 PRECISIONS = [
     ServingPrecision(kv_dtype="fp8_e4m3"),
     ServingPrecision(kv_dtype="fp8_e4m3", weight_dtype="fp8"),
@@ -101,12 +115,13 @@ def test_incremental_equals_full_recompute_under_fp8_on_cuda(
     got = model.rank(cands, query_ts, inc.kv, inc.ts, *inc.batch_tables(users))
     want = model.rank(cands, query_ts, rec.kv, rec.ts, *rec.batch_tables(users))
     rank_err = rel_err(got, want)
+    tol = TOLERANCE[dtype, precision.fp8_weights]
     print(
         f"\n{dtype} {precision} on {torch.cuda.get_device_name()}: user_emb {emb_err:.2e}, "
         f"K {k_err:.2e}, V {v_err:.2e}, rank {rank_err:.2e}, codes differing {differ:.2e} "
-        f"(tolerance {TOLERANCE[dtype]:.0e}, codes {CODE_MISMATCH_TOL[dtype]:.0e})"
+        f"(tolerance {tol:.0e}, codes {CODE_MISMATCH_TOL[dtype]:.0e})"
     )
     assert torch.equal(inc.kv.view(torch.uint8), before)  # rank writes nothing
     for err in (emb_err, k_err, v_err, rank_err):
-        assert err < TOLERANCE[dtype]
+        assert err < tol
     assert differ <= CODE_MISMATCH_TOL[dtype]
