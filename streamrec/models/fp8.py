@@ -38,6 +38,8 @@ import math
 import torch
 from torch import nn
 
+from streamrec.errors import ModelError
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 # Headroom on the bound for the rounding of LayerNorm's output in the model dtype and,
@@ -47,6 +49,19 @@ _BOUND_MARGIN = 1.125
 
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def check_kv_scale(kv_dtype: torch.dtype, kv_scale: torch.Tensor | None, heads: int) -> None:
+    """An FP8 K/V operand of a kernel needs its layer's scales (fp32 [2, H], contiguous),
+    any other dtype none: a mismatch would read codes as values or the reverse."""
+    ok = is_fp8(kv_dtype) == (kv_scale is not None)
+    if ok and kv_scale is not None:
+        shape_ok = tuple(kv_scale.shape) == (2, heads) and kv_scale.is_contiguous()
+        ok = shape_ok and kv_scale.dtype == torch.float32
+    if not ok:
+        got = None if kv_scale is None else (kv_scale.dtype, tuple(kv_scale.shape))
+        want = f"kv_scale fp32 [2, {heads}]" if is_fp8(kv_dtype) else "no kv_scale"
+        raise ModelError(f"{kv_dtype} keys/values need {want}, got {got}")
 
 
 def power_of_two_scale(bound: torch.Tensor) -> torch.Tensor:
@@ -99,6 +114,17 @@ class KVScales(nn.Module):
     def _head_scale(self, layer: int, which: int) -> torch.Tensor:
         scale: torch.Tensor = self.scale  # type: ignore[assignment]
         return scale[layer, which].unsqueeze(-1)  # [H, 1]: broadcasts over [..., H, d]
+
+    def layer_scale(self, layer: int) -> torch.Tensor:
+        """The kernels' operand: ``[2, H]`` fp32 (K, V) of one layer, contiguous."""
+        scale: torch.Tensor = self.scale  # type: ignore[assignment]
+        return scale[layer]
+
+    def codes(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [..., H, d] of ``layer`` as e4m3 codes."""
+        return quantize(k, self._head_scale(layer, 0)), quantize(v, self._head_scale(layer, 1))
 
     def cached_form(
         self, layer: int, k: torch.Tensor, v: torch.Tensor

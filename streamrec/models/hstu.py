@@ -216,6 +216,10 @@ class HSTU(nn.Module):
         """Every layer's k, v [Lyr, T, H, d] in the pool's dtype."""
         return (k, v) if self.kv_quant is None else self.kv_quant.store(k, v)
 
+    def _layer_kv_scale(self, layer_idx: int) -> torch.Tensor | None:
+        """The fused kernels' FP8 operand: the layer's [2, H] scales (None: model dtype)."""
+        return None if self.kv_quant is None else self.kv_quant.layer_scale(layer_idx)
+
     def _context_attention(
         self,
         layer_idx: int,
@@ -322,12 +326,12 @@ class HSTU(nn.Module):
         layer = self.layers[layer_idx]
         assert isinstance(layer, HSTULayer)
         n = self.config.max_seq_len
-        if fused_attention_enabled(self.attention_backend, q) and self.kv_quant is None:
+        if fused_attention_enabled(self.attention_backend, q):
             return fused_candidate_attention(
                 q, k, v, cached_lens, query_ts, kv_pool[layer_idx], ts_pool, block_tables,
                 cached_lens, layer.pos_bias, layer.time_bias,
                 self.time_edges,  # type: ignore[arg-type]
-                n,
+                n, self._layer_kv_scale(layer_idx),
             )  # fmt: skip
         kc, vc, k_ts = self._gather_context(layer_idx, kv_pool, ts_pool, block_tables)
         span = kc.shape[1]
@@ -442,7 +446,8 @@ class HSTU(nn.Module):
         offsets: torch.Tensor,
         width: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Full recompute of whole histories; also returns the normed outputs z [T, D].
+        """Full recompute of whole histories; also returns the normed outputs z [T, D]
+        (k, v [Lyr, T, H, d] in the pool's dtype).
 
         On CUDA with Triton (and no explicit ``width``) the tokens stay jagged and the
         attention is the fused prefill op; otherwise each user's tokens go into a dense
@@ -476,23 +481,26 @@ class HSTU(nn.Module):
         k = torch.stack([kl.reshape(num_users * width, *heads)[grid] for kl in ks])
         v = torch.stack([vl.reshape(num_users * width, *heads)[grid] for vl in vs])
         z_tok = self.norm_out(z.reshape(num_users * width, d_model)[grid])  # [T, D]
-        return k, v, z_tok
+        return (*self._kv_storage(k, v), z_tok)
 
     def _prefill_jagged(
         self, items: torch.Tensor, actions: torch.Tensor, ts: torch.Tensor, offsets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``prefill_states`` on jagged tokens: projections over [T, D], fused attention,
-        no padding and no [B, W, W] temporaries."""
+        no padding and no [B, W, W] temporaries. FP8 KV: the kernel reads the codes the
+        pool will store."""
         x = self._embed(items, actions)  # [T, D]
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
         for idx, layer in enumerate(self.layers):
             assert isinstance(layer, HSTULayer)
             u, v, q, k = layer.project(x)  # [T, H, d] (views of one projection)
-            k, v = self._cached_kv(idx, k, v)
+            if self.kv_quant is not None:
+                k, v = self.kv_quant.codes(idx, k, v)
             attn = fused_prefill_attention(
                 q, k, v, ts, offsets, layer.pos_bias, layer.time_bias,
                 self.time_edges, self.config.max_seq_len,  # type: ignore[arg-type]
+                self._layer_kv_scale(idx),
             )  # fmt: skip
             x = layer.output(x, u, attn)
             ks.append(k)
@@ -504,7 +512,7 @@ class HSTU(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Whole histories -> (k [Lyr, T, H, d], v [Lyr, T, H, d], user_emb [B, D])."""
         k, v, z = self.prefill_states(items, actions, ts, offsets)
-        return (*self._kv_storage(k, v), self._user_embedding(z, offsets))
+        return k, v, self._user_embedding(z, offsets)
 
     def extend(
         self,
@@ -532,10 +540,7 @@ class HSTU(nn.Module):
         x = self._embed(items, actions)  # [T, D]
         n = self.config.max_seq_len
         edges: torch.Tensor = self.time_edges  # type: ignore[assignment]
-        fused = (
-            fused_attention_enabled(self.attention_backend, x, self.config.head_dim)
-            and self.kv_quant is None
-        )
+        fused = fused_attention_enabled(self.attention_backend, x, self.config.head_dim)
         geo = None if fused else self._new_token_geometry(offsets, users, tok - first, pos, ts)
         fl = self._layers_fused(x)
         ks: list[torch.Tensor] = []
@@ -548,6 +553,7 @@ class HSTU(nn.Module):
                 attn = fused_token_attention(
                     q, k, v, pos, ts, users, first, kv_pool[idx], ts_pool, block_tables,
                     cached_lens, layer.pos_bias, layer.time_bias, edges, n,
+                    self._layer_kv_scale(idx),
                 )  # fmt: skip
             else:
                 attn = self._context_attention(
