@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|fp8|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -131,6 +131,13 @@ for stage in "$@"; do
       python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider 2>&1 \
         | tee "$OUT/retrieval_tests.log" | grep -E "B=|aoti|passed|failed|Error" | tail -20
       python3 -m bench.retrieval_bench --out "$OUT" 2>&1 | tail -25 ;;
+    fp8)  # issue 18: FP8 gpu tests (kernels, exactness, _scaled_mm, host tier), then the
+      # bf16-vs-FP8 bench (capacity, decode/rank kernels at batch 64/256, whole step)
+      python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_fp8_attention.py \
+        tests/models/test_quantization_gpu.py tests/models/test_fp8_linear.py \
+        tests/cache/test_host_tier.py 2>&1 | tee "$OUT/fp8_tests.log" \
+        | grep -E "rel err|on NVIDIA|fp8 model|passed|failed|Error" | tail -40
+      timeout 300 python3 -m bench.fp8_bench 2>&1 | tee "$OUT/fp8_bench.log" | tail -24 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"
