@@ -111,7 +111,7 @@ class HSTU(nn.Module):
     """Item + action embeddings, HSTU layers, final LayerNorm, multi-task heads."""
 
     def __init__(
-        self, config: HSTUConfig, attention_backend: str = "auto", fused_layers: bool = True
+        self, config: HSTUConfig, attention_backend: str = "auto", fused_layers: bool = False
     ) -> None:
         super().__init__()
         self.config = config
@@ -120,7 +120,9 @@ class HSTU(nn.Module):
         self.attention_backend = attention_backend
         self.retrieval_table = NormalizedTable()  # retrieve's normalised item rows
         # extend/rank: LayerNorm + GEMM + SiLU and the output tail as one kernel each
-        # (streamrec/models/fused_layer.py) where that can run; never with "torch".
+        # (streamrec/models/fused_layer.py) where that can run; never with "torch". Off
+        # by default: on the H200 the fused halves were slower than LayerNorm + cuBLAS
+        # (1-layer rank step at batch 64: 0.696 vs 0.596 ms; BENCHMARKS.md, issue 14).
         self.fused_layers = fused_layers
         self.item_emb = nn.Embedding(config.num_items, config.d_model, padding_idx=0)
         self.action_emb = nn.Embedding(config.num_actions, config.d_model)
