@@ -250,7 +250,10 @@ class HSTU(nn.Module):
             dt = (ts.unsqueeze(1) - ts.unsqueeze(0)).unsqueeze(0)  # [1, T, T]
             mask = (users.unsqueeze(1) == users.unsqueeze(0)) & (rel[0] >= 0)  # [T, T]
             return NewTokenGeometry(None, rel, dt, mask.unsqueeze(0))
-        width = max(1, int(offsets.diff().max()))  # one host sync (eager only)
+        # Row width from the tokens themselves (one host sync, eager only): a caller that
+        # pads the batch (GraphedModel) leaves tokens past offsets[-1], which
+        # _token_users gives to the last user, beyond its offsets length.
+        width = int(slot.max()) + 1 if slot.numel() else 1
         grid = users * width + slot  # [T]
         ts_grid = ts.new_zeros(num_users * width).index_put((grid,), ts)
         valid = torch.zeros(num_users * width, dtype=torch.bool, device=ts.device)
