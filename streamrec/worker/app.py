@@ -236,7 +236,9 @@ class App:
                 scoring=scoring,
             ),
         )
-        self.metrics.set_backend(backend)
+        self.metrics.set_model(
+            loaded.checkpoint.model_name, loaded.checkpoint.version, backend, loaded.device.type
+        )
         log.info(
             "model ready",
             extra={
