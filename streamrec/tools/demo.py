@@ -1,35 +1,57 @@
-"""``streamrec demo``: the whole system on one machine in well under a minute.
+"""``streamrec demo``: the whole system on one machine, and the numbers that back its claim.
 
-A dev broker (Tansu) with the four topics, a small model trained on synthetic data in a
-few seconds (or ``--model DIR``), a replayed event stream (synthetic, or a MovieLens
-``ratings.csv`` with ``--events``) with a few malformed records mixed in, and the real
-worker (``App``) in this process. It prints some users' recommendations as they are
-acknowledged and a closing summary, then exits 0 once every record is committed.
+A dev broker (Tansu) with the four topics; a small model trained on the demo data in
+seconds to a minute (kept under ``.streamrec-cache/demo/`` for the next run) or the
+configured one; MovieLens-small when the shared data is present (titles from
+``movies.csv``), synthetic data otherwise; the real worker (``App``) in this process. Two
+replays: one paced at ``--rate`` (a few users' updates are printed as they are
+acknowledged), then one unpaced (as fast as the worker goes), each with a few malformed
+records mixed in. It closes with a table: incremental vs full recompute for the same
+users, HR@10 against most-popular, cache hit rate, per-phase p50/p99 and throughput.
+
+The worker's configuration comes from the same layers as ``streamrec run`` (``--config``,
+``STREAMREC_*``, ``--set``, shortcut flags) above the demo's own defaults, so e.g.
+``STREAMREC_MODEL__REQUIRE_AOTI=true`` with an exported package serves the AOTI path.
+Only the broker address is the demo's own: it starts the broker.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import contextlib
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Final, TextIO
 
-import numpy as np
-
-from streamrec.errors import BrokerError, ConfigError
-from streamrec.offline.datasets import InteractionLog, SyntheticSpec, read_movielens, synthetic_log
-from streamrec.offline.training import TrainConfig, train
+from streamrec.cache.history_store import History, HistoryStore, open_history_store
+from streamrec.errors import BrokerError, StreamrecError
+from streamrec.offline.evaluation import evaluate
+from streamrec.pipeline.reference import full_recompute
 from streamrec.schemas.codec import encode_event
-from streamrec.schemas.events import Action, Event, InteractionEvent, PlaybackEvent
+from streamrec.schemas.events import Event, PlaybackEvent
 from streamrec.schemas.records import Recommendation
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
+from streamrec.tools.config_flags import effective_config
+from streamrec.tools.demo_data import (
+    DEMO_DEFAULTS,
+    DemoConfig,
+    DemoSource,
+    load_source,
+    log_to_events,
+    replay_users,
+)
+from streamrec.tools.demo_model import (
+    demo_model_dir,
+    ensure_demo_model,
+    is_trained,
+    train_demo_model,
+    training_log,
+)
+from streamrec.tools.demo_report import DemoReport, Exactness, Quality, Recorder, Throughput
 from streamrec.tools.devbroker import DevBroker
-from streamrec.worker.app import App
+from streamrec.worker.app import App, serving_scoring
 from streamrec.worker.config import (
     BatchingConfig,
     CacheConfig,
@@ -42,133 +64,25 @@ from streamrec.worker.config import (
     TopicsConfig,
     WorkerConfig,
 )
+from streamrec.worker.logging_setup import configure_logging
+from streamrec.worker.model_loader import LoadedModel, load_model
 
-_DURATION_MS = 200_000
-_PLAYED_MS = {Action.COMPLETE: 190_000, Action.PARTIAL: 100_000, Action.SKIP: 10_000}
-_INTERACTION = {Action.LIKE: "like", Action.SAVE: "save", Action.SHARE: "share"}
-_MALFORMED = (
-    b"\xc1 not msgpack",
-    b'{"user_id": "u1", "item_id": 7, "ts_ms": 1}',
-    b'{"item_id": "s1", "ts_ms": 1, "ms_played": 1, "duration_ms": 2}',
+__all__ = ["DemoConfig", "run_demo", "run_demo_command", "train_demo_model", "worker_config"]
+
+# (value, to the playback topic?, key or None for the user's): one of each rejection kind
+_MALFORMED: Final = (
+    (b"\xc1 not msgpack", True, None),
+    (b'{"user_id": "u1", "item_id": 7, "ts_ms": 1}', False, None),
+    (b'{"item_id": "s1", "ts_ms": 1, "ms_played": 1, "duration_ms": 2}', True, None),
+    # a valid event keyed by another user: it would sit on that user's partition
+    (b'{"user_id": "u1", "item_id": "s1", "ts_ms": 1, "action": "like"}', False, b"u2"),
 )
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """What the demo replays and how fast; ``rate`` 0 means as fast as the broker takes."""
-
-    events: int = 5_000
-    rate: float = 1_000.0
-    partitions: int = 4
-    model_dir: Path | None = None
-    events_file: Path | None = None
-    watch_users: int = 3
-    malformed_every: int = 200  # one malformed record per this many events (0 = none)
-    seed: int = 1
-
-    def __post_init__(self) -> None:
-        if self.events < 1 or self.partitions < 1 or self.watch_users < 0:
-            raise ConfigError(
-                f"demo: events={self.events} partitions={self.partitions} "
-                f"watch_users={self.watch_users} must be >= 1, >= 1, >= 0"
-            )
-        if self.rate < 0 or self.malformed_every < 0:
-            raise ConfigError(
-                f"demo: rate={self.rate} malformed_every={self.malformed_every} must be >= 0"
-            )
-
-
-@dataclass
-class DemoSummary:
-    events: int
-    malformed: int
-    seconds: float
-    published: int
-    dead_letters: int
-    latencies_s: list[float] = field(default_factory=list)
-    hit_rate: float = 0.0
-    batches: int = 0
-    backend: str = ""
-
-    @property
-    def events_per_s(self) -> float:
-        return (self.events + self.malformed) / self.seconds if self.seconds > 0 else 0.0
-
-    def percentile_ms(self, q: float) -> float:
-        return float(np.percentile(self.latencies_s, q) * 1000) if self.latencies_s else 0.0
-
-    def render(self) -> str:
-        return "\n".join(
-            [
-                "-- summary " + "-" * 50,
-                f"events          {self.events} valid + {self.malformed} malformed "
-                f"in {self.seconds:.1f} s ({self.events_per_s:,.0f} events/s)",
-                f"published       {self.published} recommendations in {self.batches} batches "
-                f"(backend {self.backend})",
-                f"event->publish  p50 {self.percentile_ms(50):.1f} ms, "
-                f"p99 {self.percentile_ms(99):.1f} ms",
-                f"cache hit rate  {self.hit_rate:.1%}",
-                f"dead letters    {self.dead_letters}",
-            ]
-        )
-
-
-def log_to_events(log: InteractionLog, limit: int, seed: int = 0) -> list[Event]:
-    """At most ``limit`` of the log's tokens as wire events, users interleaved.
-
-    Every user's n-th event comes before anyone's (n+1)-th (random order within a round),
-    so a short replay still reaches many users; each user's own events stay in order.
-    Playback actions become playbacks with a matching fraction played, likes/saves/shares
-    interactions; MovieLens VIEW becomes a partial playback.
-    """
-    lengths = log.lengths()
-    users = np.repeat(np.arange(log.num_users), lengths)
-    rank = np.arange(log.num_events) - np.repeat(log.offsets[:-1], lengths)  # [E]
-    jitter = np.random.default_rng(seed).random(log.num_events)
-    order = np.lexsort((jitter, rank))[:limit]
-    out: list[Event] = []
-    for i in order.tolist():
-        user, item = log.users[int(users[i])], str(log.items[i])
-        action, ts = Action(int(log.actions[i])), int(log.ts_ms[i])
-        if action in _INTERACTION:
-            out.append(InteractionEvent(user, item, ts, _INTERACTION[action]))
-        else:
-            played = _PLAYED_MS.get(action, _PLAYED_MS[Action.PARTIAL])
-            out.append(PlaybackEvent(user, item, ts, played, _DURATION_MS))
-    return out
-
-
-def train_demo_model(out_dir: Path, progress: TextIO | None = None) -> Path:
-    """A small HSTU on synthetic chains: a few seconds on two CPU cores."""
-    data = synthetic_log(SyntheticSpec(num_users=300, num_items=200, events_per_user=30, seed=0))
-    config = TrainConfig(
-        epochs=2,
-        batch_size=64,
-        seq_len=32,
-        max_seq_len=64,
-        num_negatives=64,
-        d_model=32,
-        num_layers=2,
-        num_heads=2,
-        head_dim=16,
-        num_oov_buckets=4,
-        dropout=0.0,
-        lr=3e-3,
-        model_name="demo-hstu",
-    )
-    return train(data, out_dir, config, progress=progress).model_dir
-
-
-def _source_log(cfg: DemoConfig) -> InteractionLog:
-    if cfg.events_file is not None:
-        return read_movielens(cfg.events_file)
-    users = max(50, cfg.events // 15)
-    return synthetic_log(
-        SyntheticSpec(num_users=users, num_items=200, events_per_user=30, seed=cfg.seed)
-    )
+_SHOWN_ITEMS: Final = 3
+Record = tuple[bool, bytes | None, bytes]  # (to the playback topic?, key, value)
 
 
 def worker_config(bootstrap: str, model_dir: Path) -> WorkerConfig:
+    """A fixed small CPU worker config (benchmarks use it; the demo itself layers)."""
     return WorkerConfig(
         kafka=KafkaConfig(bootstrap_servers=bootstrap, client_id="streamrec-demo"),
         topics=TopicsConfig(),
@@ -183,58 +97,60 @@ def worker_config(bootstrap: str, model_dir: Path) -> WorkerConfig:
 
 
 class _Watcher:
-    """Prints the watched users' recommendations, at most one per ``every`` versions."""
+    """Prints the watched users' recommendations (titles, not ids), every ``every``-th."""
 
-    def __init__(self, users: list[str], out: TextIO, every: int = 3) -> None:
+    def __init__(self, source: DemoSource, users: list[str], out: TextIO, every: int = 3):
+        self.source = source
         self.shown = dict.fromkeys(users, -every)
         self.out = out
         self.every = every
-        self.latencies: list[float] = []
+        self.active = True
 
     def __call__(self, rec: Recommendation, latency_s: float) -> None:
-        self.latencies.append(latency_s)
         last = self.shown.get(rec.user_id)
-        if last is not None and rec.version >= last + self.every:
-            self.shown[rec.user_id] = rec.version
-            top = ", ".join(f"{item} {score:.2f}" for item, score in rec.items[:5])
-            self.out.write(
-                f"{rec.user_id:>6} v{rec.version:<3} {rec.cache_outcome.value:<8} "
-                f"{latency_s * 1000:6.1f} ms  {top}\n"
-            )
-            self.out.flush()
+        if not self.active or last is None or rec.version < last + self.every:
+            return
+        self.shown[rec.user_id] = rec.version
+        top = " · ".join(
+            f"{self.source.title(item)} {score:.2f}" for item, score in rec.items[:_SHOWN_ITEMS]
+        )
+        self.out.write(
+            f"{rec.user_id:>6} v{rec.version:<3} {rec.cache_outcome.value:<8} "
+            f"{latency_s * 1000:6.1f} ms  {top}\n"
+        )
+        self.out.flush()
 
 
-def _records(cfg: DemoConfig, events: list[Event]) -> Iterator[tuple[bool, bytes, bytes]]:
-    """(is playback, key, value), with a malformed record every ``malformed_every``."""
+def _records(cfg: DemoConfig, events: Sequence[Event]) -> Iterator[Record]:
+    """The events as records, with a malformed record every ``malformed_every``."""
     for n, event in enumerate(events, start=1):
         yield isinstance(event, PlaybackEvent), event.user_id.encode(), encode_event(event)
         if cfg.malformed_every and n % cfg.malformed_every == 0:
-            bad = _MALFORMED[(n // cfg.malformed_every) % len(_MALFORMED)]
-            yield True, event.user_id.encode(), bad
+            value, playback, key = _MALFORMED[(n // cfg.malformed_every) % len(_MALFORMED)]
+            yield playback, key or event.user_id.encode(), value
 
 
 async def _produce(
-    bootstrap: str, topics: TopicsConfig, cfg: DemoConfig, events: list[Event]
-) -> tuple[int, int]:
-    """Send the stream (paced at ``cfg.rate``); returns (valid, malformed) counts."""
+    bootstrap: str, topics: TopicsConfig, records: list[Record], rate: float | None
+) -> None:
+    """Send the records, paced at ``rate`` events/s (None: as fast as the broker takes)."""
     from aiokafka import AIOKafkaProducer
 
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
     await producer.start()
-    headers = [(CONTENT_TYPE_HEADER, WireFormat.MSGPACK.content_type.encode())]
-    valid = malformed = 0
+    headers = {
+        fmt: [(CONTENT_TYPE_HEADER, fmt.content_type.encode())]
+        for fmt in (WireFormat.MSGPACK, WireFormat.JSON)
+    }
     started = time.monotonic()
     pending = []
     try:
-        for is_playback, key, value in _records(cfg, events):
+        for n, (is_playback, key, value) in enumerate(records, start=1):
             topic = topics.playback if is_playback else topics.interaction
-            pending.append(await producer.send(topic, value, key=key, headers=headers))
-            if value in _MALFORMED:
-                malformed += 1
-            else:
-                valid += 1
-            if cfg.rate:
-                ahead = (valid + malformed) / cfg.rate - (time.monotonic() - started)
+            fmt = WireFormat.JSON if value[:1] == b"{" else WireFormat.MSGPACK
+            pending.append(await producer.send(topic, value, key=key, headers=headers[fmt]))
+            if rate is not None:
+                ahead = n / rate - (time.monotonic() - started)
                 if ahead > 0.005:
                     await asyncio.sleep(ahead)
             if len(pending) >= 500:
@@ -243,81 +159,211 @@ async def _produce(
         await asyncio.gather(*pending)
     finally:
         await producer.stop()
-    return valid, malformed
 
 
-async def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> DemoSummary:
-    with tempfile.TemporaryDirectory(prefix="streamrec-demo-") as tmp:
-        model_dir = cfg.model_dir
-        if model_dir is None:
-            out.write("training a small model on synthetic data ...\n")
-            started = time.monotonic()
-            model_dir = await asyncio.to_thread(train_demo_model, Path(tmp) / "model")
-            out.write(f"trained in {time.monotonic() - started:.1f} s -> {model_dir}\n")
-        events = log_to_events(_source_log(cfg), cfg.events, cfg.seed)
+async def _replay(
+    app: App, worker: asyncio.Task[int], bootstrap: str, records: list[Record],
+    rate: float | None, recorder: Recorder, label: str,
+) -> Throughput:  # fmt: skip
+    """Produce ``records`` and wait until the worker has finished every one of them."""
+    target = app.stats().tracker.completed + len(records)
+    first = len(recorder.latencies_s)
+    started = time.monotonic()
+    await _produce(bootstrap, app.config.topics, records, rate)
+    await _wait(app, worker, lambda: app.stats().tracker.completed >= target)
+    seconds = time.monotonic() - started
+    return Throughput(label, len(records), seconds, recorder.latencies_s[first:])
+
+
+async def _wait(
+    app: App, worker: asyncio.Task[int], done: Callable[[], bool], timeout_s: float = 300.0
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if worker.done():
+            raise BrokerError(f"the demo worker stopped early with status {worker.result()}")
+        if time.monotonic() > deadline:
+            raise BrokerError(f"the demo worker did not finish within {timeout_s:.0f} s")
+        await asyncio.sleep(0.02)
+
+
+def _exactness(
+    loaded: LoadedModel, config: WorkerConfig, histories: dict[str, History], recorder: Recorder
+) -> Exactness:
+    """Recompute each user from scratch (timed one by one) and compare with its last answer."""
+    hstu = loaded.checkpoint.config
+    scoring = serving_scoring(config.model, hstu)
+    vocab = loaded.checkpoint.vocab
+
+    def recompute(user: str, history: History) -> tuple[list[tuple[str, float]], float]:
+        started = time.perf_counter()
+        out = full_recompute(
+            loaded.model, {user: history}, num_layers=hstu.num_layers,
+            num_heads=hstu.num_heads, head_dim=hstu.head_dim, max_seq_len=hstu.max_seq_len,
+            dtype=hstu.torch_dtype, task_names=hstu.task_names, scoring=scoring,
+            device=loaded.device, block_size=config.cache.block_size,
+        )[user]  # fmt: skip
+        ms = (time.perf_counter() - started) * 1000.0
+        items = [(vocab.external(int(r)), float(s)) for r, s in zip(out.items, out.scores)]
+        return items, ms
+
+    if histories:
+        recompute(*next(iter(histories.items())))  # first-call costs are not the claim
+    recomputed, times = {}, []
+    for user, history in histories.items():
+        recomputed[user], ms = recompute(user, history)
+        times.append(ms)
+    return Exactness.compare(
+        recorder.latest,
+        recomputed,
+        times,
+        recorder.step_ms_per_user(histories),
+        [h.total_appended for h in histories.values()],
+    )
+
+
+async def _compared_histories(
+    store: HistoryStore, recorder: Recorder, max_seq_len: int, count: int
+) -> dict[str, History]:
+    """Up to ``count`` users whose whole history fits the window (where the two agree)."""
+    users = sorted(recorder.latest)
+    histories = await store.get(users)
+    fits = {
+        u: h
+        for u, h in histories.items()
+        if 0 < h.total_appended <= max_seq_len and recorder.latest[u].version == h.total_appended
+    }
+    return dict(list(fits.items())[:count])
+
+
+def _quality(source: DemoSource, model_dir: Path, out: TextIO) -> Quality | None:
+    try:
+        result = evaluate(model_dir, training_log(source), k=10, report=None, device="cpu")
+    except StreamrecError as exc:
+        out.write(f"model quality: not measured ({exc})\n")
+        return None
+    return Quality(result.k, result.model.hr, result.popular.hr, result.num_users)
+
+
+async def run_demo(cfg: DemoConfig, config: WorkerConfig, source: DemoSource,
+                   out: TextIO = sys.stdout) -> DemoReport:  # fmt: skip
+    """Broker, worker, two replays and the closing table (returned and printed)."""
+    loaded = await asyncio.to_thread(load_model, config.model)
+    hstu = loaded.checkpoint.config
+    out.write(
+        f"model {loaded.checkpoint.model_name} {loaded.checkpoint.version}: backend "
+        f"{loaded.backend} on {loaded.device}"
+        + (
+            f" (no AOTI package in {config.model.aoti_cache_dir}; `streamrec export "
+            f"--model {config.model.model_dir}` compiles one)\n"
+            if loaded.backend == "eager"
+            else "\n"
+        )
+    )
+    chosen = replay_users(source.log, cfg.users, cfg.events_per_user)
+    events = log_to_events(source.log, cfg.paced_events + cfg.unpaced_events, cfg.seed, chosen)
+    records = list(_records(cfg, events))
+    every = cfg.malformed_every
+    split = cfg.paced_events + (cfg.paced_events // every if every else 0)  # paced records
+    store = open_history_store(config.store.url, hstu.max_seq_len)
+    recorder = Recorder()
+    try:
         async with DevBroker() as broker:
-            config = worker_config(broker.bootstrap_servers, model_dir)
+            config = _with_bootstrap(config, broker.bootstrap_servers)
             t = config.topics
+            n = cfg.partitions
             await broker.create_topics_async(
-                {
-                    t.playback: cfg.partitions,
-                    t.interaction: cfg.partitions,
-                    t.output: cfg.partitions,
-                    t.dead_letter: 1,
-                }
+                {t.playback: n, t.interaction: n, t.output: n, t.dead_letter: 1}
             )
-            out.write(f"dev broker at {broker.bootstrap_servers}; replaying {len(events)} events\n")
             watched = list(dict.fromkeys(e.user_id for e in events))[: cfg.watch_users]
-            watcher = _Watcher(watched, out)
-            app = App(config, on_published=watcher)
+            watcher = _Watcher(source, watched, out)
+
+            def published(rec: Recommendation, latency_s: float) -> None:
+                recorder(rec, latency_s)
+                watcher(rec, latency_s)
+
+            app = App(config, model=loaded, store=store, on_published=published)
             worker = asyncio.create_task(app.run())
-            await _wait_ready(app, worker)
-            started = time.monotonic()
-            valid, malformed = await _produce(broker.bootstrap_servers, t, cfg, events)
-            await _wait_all_done(app, worker, valid + malformed)
-            seconds = time.monotonic() - started
+            await _wait(app, worker, lambda: app.ready, 60.0)
+            out.write(
+                f"dev broker at {broker.bootstrap_servers}; replaying {len(events)} events of "
+                f"{len(chosen)} users ({cfg.paced_events} at {cfg.rate:,.0f}/s, then "
+                f"{cfg.unpaced_events} unpaced)\n"
+            )
+            runs = []
+            bootstrap = broker.bootstrap_servers
+            if split:
+                paced = records[:split]
+                runs.append(
+                    await _replay(app, worker, bootstrap, paced, cfg.rate, recorder, "paced")
+                )
+            watcher.active = False
+            if records[split:]:
+                rest = records[split:]
+                runs.append(await _replay(app, worker, bootstrap, rest, None, recorder, "unpaced"))
+            total = len(records)
+            await _wait(app, worker, lambda: sum(app.stats().committed.values()) >= total)
             app.stop()
             status = await worker
             if status != 0:
                 raise BrokerError(f"the demo worker exited with status {status}")
-            stats = app.stats()
-            engine = app.engine
-            assert engine is not None
-            es = engine.stats()
-            lookups = es.gpu_hits + es.host_hits + es.misses
-            summary = DemoSummary(
-                events=valid,
-                malformed=malformed,
-                seconds=seconds,
-                published=stats.published,
-                dead_letters=stats.dead_letters,
-                latencies_s=watcher.latencies,
-                hit_rate=(es.gpu_hits + es.host_hits) / lookups if lookups else 0.0,
-                batches=stats.batches,
-                backend=es.backend,
-            )
-    out.write(summary.render() + "\n")
-    return summary
+        histories = await _compared_histories(store, recorder, hstu.max_seq_len, cfg.compare_users)
+        exactness = await asyncio.to_thread(_exactness, loaded, config, histories, recorder)
+    finally:
+        await store.close()
+    quality = await asyncio.to_thread(_quality, source, config.model.model_dir, out)
+    es = app.engine.stats() if app.engine is not None else None
+    lookups = (es.gpu_hits + es.host_hits + es.misses) if es is not None else 0
+    report = DemoReport(
+        source=source.name,
+        backend=loaded.backend,
+        device=str(loaded.device),
+        model_version=loaded.checkpoint.version,
+        published=app.stats().published,
+        dead_letters=app.metrics.invalid_counts(),
+        hit_rate=(es.gpu_hits + es.host_hits) / lookups if es is not None and lookups else 0.0,
+        phases=recorder.phase_ms(),
+        runs=runs,
+        exactness=exactness if histories else None,
+        quality=quality,
+    )
+    out.write(report.render() + "\n")
+    return report
 
 
-async def _wait_ready(app: App, worker: asyncio.Task[int], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not app.ready:
-        if worker.done():
-            raise BrokerError(f"the demo worker stopped early with status {worker.result()}")
-        if time.monotonic() > deadline:
-            raise BrokerError(f"the demo worker was not ready within {timeout_s} s")
-        await asyncio.sleep(0.05)
+def _with_bootstrap(config: WorkerConfig, bootstrap: str) -> WorkerConfig:
+    from dataclasses import replace
+
+    return replace(config, kafka=replace(config.kafka, bootstrap_servers=bootstrap))
 
 
-async def _wait_all_done(app: App, worker: asyncio.Task[int], total: int) -> None:
-    """Until every produced record is done (published or dead-lettered) and committed."""
-    while True:
-        if worker.done():
-            raise BrokerError(f"the demo worker stopped early with status {worker.result()}")
-        stats = app.stats()
-        committed = sum(stats.committed.values())
-        if stats.tracker.completed >= total and committed >= total:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(worker), 0.1)
+def run_demo_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """``streamrec demo``: config layers, data, model (cached or trained), then the run."""
+    cfg = DemoConfig(
+        paced_events=args.num_events,
+        unpaced_events=args.unpaced_events,
+        rate=args.rate,
+        users=args.users,
+        partitions=args.partitions,
+        watch_users=args.watch,
+        ratings=args.ratings,
+        synthetic=args.synthetic,
+        retrain=args.retrain,
+    )
+    source = load_source(
+        cfg.ratings, synthetic=cfg.synthetic, users=cfg.users, events_per_user=cfg.events_per_user
+    )
+    own_model = demo_model_dir(source)
+    config = effective_config(args, {**DEMO_DEFAULTS, "model.model_dir": str(own_model)})
+    configure_logging(config.log)
+    out.write(f"data: {source.describe()}\n")
+    if config.model.model_dir == own_model:
+        if cfg.retrain or not is_trained(own_model):
+            out.write(f"training the demo model on {source.name} data (kept in {own_model}) ...\n")
+            out.flush()
+        bar = sys.stderr if sys.stderr.isatty() else None  # a log file gets no bar lines
+        model = ensure_demo_model(source, own_model, retrain=cfg.retrain, progress=bar)
+        if not model.cached:
+            out.write(f"trained in {model.trained_s:.1f} s\n")
+    asyncio.run(run_demo(cfg, config, source, out))
+    return 0
