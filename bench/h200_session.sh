@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|speedup|rest
+#   bash bench/h200_session.sh tests|kernel|speedup|rest|demo|demo-aoti
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -57,6 +57,16 @@ for stage in "$@"; do
         --events 60000 --rates 2000 5000 10000 20000 --seconds 10 --drain-s 40 \
         --max-batch-users 256 --warm-wave 32 --partitions 4 $flags 2>&1 | tail -12
       cp bench/results/worker_bench_hstu-8l_cuda.json "$OUT/$stage.json" 2>/dev/null ;;
+    demo)  # issue 17: the demo on the GPU (eager + CUDA graphs), closing table in demo_eager.txt
+      python3 -m streamrec.tools.cli demo --synthetic 2>&1 | tee "$OUT/demo_eager.txt" | tail -22 ;;
+    demo-aoti)  # issue 17 item 11: the demo's model exported, then served with require_aoti
+      model=$(ls -d .streamrec-cache/demo/synthetic-*/ 2>/dev/null | grep -v partial | head -1)
+      [ -n "$model" ] || python3 -m streamrec.tools.cli demo --synthetic --num-events 200 \
+        --unpaced-events 0 > /dev/null 2>&1
+      model=$(ls -d .streamrec-cache/demo/synthetic-*/ | grep -v partial | head -1)
+      python3 -m streamrec.tools.cli export --model "$model" --device cuda 2>&1 | tail -4
+      STREAMREC_MODEL__REQUIRE_AOTI=true python3 -m streamrec.tools.cli demo --synthetic 2>&1 \
+        | tee "$OUT/demo_aoti.txt" | tail -22 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"

@@ -22,8 +22,11 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final, TextIO
+
+from aiokafka import AIOKafkaProducer
 
 from streamrec.cache.history_store import History, HistoryStore, open_history_store
 from streamrec.errors import BrokerError, StreamrecError
@@ -49,8 +52,15 @@ from streamrec.tools.demo_model import (
     train_demo_model,
     training_log,
 )
-from streamrec.tools.demo_report import DemoReport, Exactness, Quality, Recorder, Throughput
+from streamrec.tools.demo_report import (
+    DemoReport,
+    Exactness,
+    Quality,
+    Recorder,
+    Throughput,
+)
 from streamrec.tools.devbroker import DevBroker
+from streamrec.tools.update_cost import measure_update_costs
 from streamrec.worker.app import App, serving_scoring
 from streamrec.worker.config import (
     BatchingConfig,
@@ -131,109 +141,100 @@ def _records(cfg: DemoConfig, events: Sequence[Event]) -> Iterator[Record]:
 
 
 async def _produce(
-    bootstrap: str, topics: TopicsConfig, records: list[Record], rate: float | None
+    producer: AIOKafkaProducer, topics: TopicsConfig, records: list[Record], rate: float | None
 ) -> None:
     """Send the records, paced at ``rate`` events/s (None: as fast as the broker takes)."""
-    from aiokafka import AIOKafkaProducer
-
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
-    await producer.start()
     headers = {
         fmt: [(CONTENT_TYPE_HEADER, fmt.content_type.encode())]
         for fmt in (WireFormat.MSGPACK, WireFormat.JSON)
     }
     started = time.monotonic()
     pending = []
-    try:
-        for n, (is_playback, key, value) in enumerate(records, start=1):
-            topic = topics.playback if is_playback else topics.interaction
-            fmt = WireFormat.JSON if value[:1] == b"{" else WireFormat.MSGPACK
-            pending.append(await producer.send(topic, value, key=key, headers=headers[fmt]))
-            if rate is not None:
-                ahead = n / rate - (time.monotonic() - started)
-                if ahead > 0.005:
-                    await asyncio.sleep(ahead)
-            if len(pending) >= 500:
-                await asyncio.gather(*pending)
-                pending.clear()
-        await asyncio.gather(*pending)
-    finally:
-        await producer.stop()
+    for n, (is_playback, key, value) in enumerate(records, start=1):
+        topic = topics.playback if is_playback else topics.interaction
+        fmt = WireFormat.JSON if value[:1] == b"{" else WireFormat.MSGPACK
+        pending.append(await producer.send(topic, value, key=key, headers=headers[fmt]))
+        if rate is not None:
+            ahead = n / rate - (time.monotonic() - started)
+            if ahead > 0.005:
+                await asyncio.sleep(ahead)
+        if len(pending) >= 500:
+            await asyncio.gather(*pending)
+            pending.clear()
+    await asyncio.gather(*pending)
 
 
-async def _replay(
-    app: App, worker: asyncio.Task[int], bootstrap: str, records: list[Record],
-    rate: float | None, recorder: Recorder, label: str,
-) -> Throughput:  # fmt: skip
-    """Produce ``records`` and wait until the worker has finished every one of them."""
-    target = app.stats().tracker.completed + len(records)
-    first = len(recorder.latencies_s)
-    started = time.monotonic()
-    await _produce(bootstrap, app.config.topics, records, rate)
-    await _wait(app, worker, lambda: app.stats().tracker.completed >= target)
-    seconds = time.monotonic() - started
-    return Throughput(label, len(records), seconds, recorder.latencies_s[first:])
+@dataclass
+class _Run:
+    """The worker of one demo run and what feeds it."""
 
+    app: App
+    worker: asyncio.Task[int]
+    producer: AIOKafkaProducer
+    recorder: Recorder
 
-async def _wait(
-    app: App, worker: asyncio.Task[int], done: Callable[[], bool], timeout_s: float = 300.0
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if worker.done():
-            raise BrokerError(f"the demo worker stopped early with status {worker.result()}")
-        if time.monotonic() > deadline:
-            raise BrokerError(f"the demo worker did not finish within {timeout_s:.0f} s")
-        await asyncio.sleep(0.02)
+    async def wait(self, done: Callable[[], bool], timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if self.worker.done():
+                status = self.worker.result()
+                raise BrokerError(f"the demo worker stopped early with status {status}")
+            if time.monotonic() > deadline:
+                raise BrokerError(f"the demo worker did not finish within {timeout_s:.0f} s")
+            await asyncio.sleep(0.005)
 
-
-def _exactness(
-    loaded: LoadedModel, config: WorkerConfig, histories: dict[str, History], recorder: Recorder
-) -> Exactness:
-    """Recompute each user from scratch (timed one by one) and compare with its last answer."""
-    hstu = loaded.checkpoint.config
-    scoring = serving_scoring(config.model, hstu)
-    vocab = loaded.checkpoint.vocab
-
-    def recompute(user: str, history: History) -> tuple[list[tuple[str, float]], float]:
-        started = time.perf_counter()
-        out = full_recompute(
-            loaded.model, {user: history}, num_layers=hstu.num_layers,
-            num_heads=hstu.num_heads, head_dim=hstu.head_dim, max_seq_len=hstu.max_seq_len,
-            dtype=hstu.torch_dtype, task_names=hstu.task_names, scoring=scoring,
-            device=loaded.device, block_size=config.cache.block_size,
-        )[user]  # fmt: skip
-        ms = (time.perf_counter() - started) * 1000.0
-        items = [(vocab.external(int(r)), float(s)) for r, s in zip(out.items, out.scores)]
-        return items, ms
-
-    if histories:
-        recompute(*next(iter(histories.items())))  # first-call costs are not the claim
-    recomputed, times = {}, []
-    for user, history in histories.items():
-        recomputed[user], ms = recompute(user, history)
-        times.append(ms)
-    return Exactness.compare(
-        recorder.latest,
-        recomputed,
-        times,
-        recorder.step_ms_per_user(histories),
-        [h.total_appended for h in histories.values()],
-    )
+    async def replay(self, records: list[Record], rate: float | None, label: str) -> Throughput:
+        """Produce ``records`` and wait until the worker has finished every one of them."""
+        tracker = self.app.tracker
+        target = tracker.stats().completed + len(records)
+        first = len(self.recorder.latencies_s)
+        started = time.monotonic()
+        await _produce(self.producer, self.app.config.topics, records, rate)
+        await self.wait(lambda: tracker.stats().completed >= target)
+        seconds = time.monotonic() - started
+        return Throughput(label, len(records), seconds, self.recorder.latencies_s[first:])
 
 
 async def _compared_histories(
     store: HistoryStore, recorder: Recorder, max_seq_len: int, count: int
 ) -> dict[str, History]:
-    """Up to ``count`` users whose whole history fits the window (where the two agree)."""
-    users = sorted(recorder.latest)
-    histories = await store.get(users)
+    """Up to ``count`` users whose last recommendation covers their whole history and whose
+    history fits the window (where incremental and full recompute must agree)."""
+    histories = await store.get(sorted(recorder.latest))
     fits = {
         u: h
         for u, h in histories.items()
-        if 0 < h.total_appended <= max_seq_len and recorder.latest[u].version == h.total_appended
+        if 2 <= h.total_appended <= max_seq_len and recorder.latest[u].version == h.total_appended
     }
     return dict(list(fits.items())[:count])
+
+
+def _exactness(
+    loaded: LoadedModel,
+    config: WorkerConfig,
+    histories: dict[str, History],
+    published: dict[str, Recommendation],
+) -> Exactness:
+    """The worker's last answers against the oracle, and the cost of an update both ways."""
+    hstu = loaded.checkpoint.config
+    scoring = serving_scoring(config.model, hstu)
+    vocab = loaded.checkpoint.vocab
+    expected = full_recompute(
+        loaded.model, histories, num_layers=hstu.num_layers, num_heads=hstu.num_heads,
+        head_dim=hstu.head_dim, max_seq_len=hstu.max_seq_len, dtype=hstu.torch_dtype,
+        task_names=hstu.task_names, scoring=scoring, device=loaded.device,
+        block_size=config.cache.block_size,
+    )  # fmt: skip
+    recomputed = {
+        user: [(vocab.external(int(r)), float(s)) for r, s in zip(out.items, out.scores)]
+        for user, out in expected.items()
+    }
+    costs = measure_update_costs(
+        loaded.model, hstu, scoring, histories, loaded.device, config.cache.block_size
+    )
+    return Exactness.compare(
+        published, recomputed, costs, [h.total_appended for h in histories.values()]
+    )
 
 
 def _quality(source: DemoSource, model_dir: Path, out: TextIO) -> Quality | None:
@@ -250,16 +251,7 @@ async def run_demo(cfg: DemoConfig, config: WorkerConfig, source: DemoSource,
     """Broker, worker, two replays and the closing table (returned and printed)."""
     loaded = await asyncio.to_thread(load_model, config.model)
     hstu = loaded.checkpoint.config
-    out.write(
-        f"model {loaded.checkpoint.model_name} {loaded.checkpoint.version}: backend "
-        f"{loaded.backend} on {loaded.device}"
-        + (
-            f" (no AOTI package in {config.model.aoti_cache_dir}; `streamrec export "
-            f"--model {config.model.model_dir}` compiles one)\n"
-            if loaded.backend == "eager"
-            else "\n"
-        )
-    )
+    out.write(_model_line(loaded, config) + "\n")
     chosen = replay_users(source.log, cfg.users, cfg.events_per_user)
     events = log_to_events(source.log, cfg.paced_events + cfg.unpaced_events, cfg.seed, chosen)
     records = list(_records(cfg, events))
@@ -267,6 +259,14 @@ async def run_demo(cfg: DemoConfig, config: WorkerConfig, source: DemoSource,
     split = cfg.paced_events + (cfg.paced_events // every if every else 0)  # paced records
     store = open_history_store(config.store.url, hstu.max_seq_len)
     recorder = Recorder()
+    watcher = _Watcher(
+        source, list(dict.fromkeys(e.user_id for e in events))[: cfg.watch_users], out
+    )
+
+    def published(rec: Recommendation, latency_s: float) -> None:
+        recorder(rec, latency_s)
+        watcher(rec, latency_s)
+
     try:
         async with DevBroker() as broker:
             config = _with_bootstrap(config, broker.bootstrap_servers)
@@ -275,45 +275,37 @@ async def run_demo(cfg: DemoConfig, config: WorkerConfig, source: DemoSource,
             await broker.create_topics_async(
                 {t.playback: n, t.interaction: n, t.output: n, t.dead_letter: 1}
             )
-            watched = list(dict.fromkeys(e.user_id for e in events))[: cfg.watch_users]
-            watcher = _Watcher(source, watched, out)
-
-            def published(rec: Recommendation, latency_s: float) -> None:
-                recorder(rec, latency_s)
-                watcher(rec, latency_s)
-
             app = App(config, model=loaded, store=store, on_published=published)
             worker = asyncio.create_task(app.run())
-            await _wait(app, worker, lambda: app.ready, 60.0)
-            out.write(
-                f"dev broker at {broker.bootstrap_servers}; replaying {len(events)} events of "
-                f"{len(chosen)} users ({cfg.paced_events} at {cfg.rate:,.0f}/s, then "
-                f"{cfg.unpaced_events} unpaced)\n"
-            )
-            runs = []
-            bootstrap = broker.bootstrap_servers
-            if split:
-                paced = records[:split]
-                runs.append(
-                    await _replay(app, worker, bootstrap, paced, cfg.rate, recorder, "paced")
-                )
-            watcher.active = False
-            if records[split:]:
-                rest = records[split:]
-                runs.append(await _replay(app, worker, bootstrap, rest, None, recorder, "unpaced"))
-            total = len(records)
-            await _wait(app, worker, lambda: sum(app.stats().committed.values()) >= total)
-            app.stop()
-            status = await worker
+            try:
+                async with AIOKafkaProducer(
+                    bootstrap_servers=broker.bootstrap_servers, acks="all", linger_ms=1
+                ) as producer:
+                    run = _Run(app, worker, producer, recorder)
+                    await run.wait(lambda: app.ready, 60.0)
+                    out.write(
+                        f"dev broker at {broker.bootstrap_servers}; replaying {len(events)} "
+                        f"events of {len(chosen)} users ({cfg.paced_events} at "
+                        f"{cfg.rate:,.0f}/s, then {cfg.unpaced_events} unpaced)\n"
+                    )
+                    runs = []
+                    if split:
+                        runs.append(await run.replay(records[:split], cfg.rate, "paced"))
+                    watcher.active = False
+                    if records[split:]:
+                        runs.append(await run.replay(records[split:], None, "unpaced"))
+                    total = app.stats().tracker.tracked
+                    await run.wait(lambda: sum(app.stats().committed.values()) >= total)
+            finally:
+                app.stop()
+                status = await worker
             if status != 0:
                 raise BrokerError(f"the demo worker exited with status {status}")
         histories = await _compared_histories(store, recorder, hstu.max_seq_len, cfg.compare_users)
-        exactness = await asyncio.to_thread(_exactness, loaded, config, histories, recorder)
+        exactness = await asyncio.to_thread(_exactness, loaded, config, histories, recorder.latest)
     finally:
         await store.close()
     quality = await asyncio.to_thread(_quality, source, config.model.model_dir, out)
-    es = app.engine.stats() if app.engine is not None else None
-    lookups = (es.gpu_hits + es.host_hits + es.misses) if es is not None else 0
     report = DemoReport(
         source=source.name,
         backend=loaded.backend,
@@ -321,7 +313,7 @@ async def run_demo(cfg: DemoConfig, config: WorkerConfig, source: DemoSource,
         model_version=loaded.checkpoint.version,
         published=app.stats().published,
         dead_letters=app.metrics.invalid_counts(),
-        hit_rate=(es.gpu_hits + es.host_hits) / lookups if es is not None and lookups else 0.0,
+        hit_rate=_hit_rate(app),
         phases=recorder.phase_ms(),
         runs=runs,
         exactness=exactness if histories else None,
@@ -331,9 +323,28 @@ async def run_demo(cfg: DemoConfig, config: WorkerConfig, source: DemoSource,
     return report
 
 
-def _with_bootstrap(config: WorkerConfig, bootstrap: str) -> WorkerConfig:
-    from dataclasses import replace
+def _model_line(loaded: LoadedModel, config: WorkerConfig) -> str:
+    line = (
+        f"model {loaded.checkpoint.model_name} {loaded.checkpoint.version}: backend "
+        f"{loaded.backend} on {loaded.device}"
+    )
+    if loaded.backend == "eager":
+        line += (
+            f" (no AOTI package in {config.model.aoti_cache_dir}; `streamrec export "
+            f"--model {config.model.model_dir}` compiles one)"
+        )
+    return line
 
+
+def _hit_rate(app: App) -> float:
+    if app.engine is None:
+        return 0.0
+    es = app.engine.stats()
+    lookups = es.gpu_hits + es.host_hits + es.misses
+    return (es.gpu_hits + es.host_hits) / lookups if lookups else 0.0
+
+
+def _with_bootstrap(config: WorkerConfig, bootstrap: str) -> WorkerConfig:
     return replace(config, kafka=replace(config.kafka, bootstrap_servers=bootstrap))
 
 

@@ -31,7 +31,7 @@ DEFAULT_MOVIELENS: Final = MOVIELENS_DIRS[0] / "ratings.csv"
 _DURATION_MS: Final = 200_000
 _PLAYED_MS: Final = {Action.COMPLETE: 190_000, Action.PARTIAL: 100_000, Action.SKIP: 10_000}
 _INTERACTION: Final = {Action.LIKE: "like", Action.SAVE: "save", Action.SHARE: "share"}
-_TITLE_CHARS: Final = 32
+_TITLE_CHARS: Final = 26
 
 
 # The demo's defaults: below the config file, the environment and the flags.
@@ -167,8 +167,6 @@ def log_to_events(
 
     Every user's n-th event comes before anyone's (n+1)-th (random order within a round),
     so a short replay still reaches many users; each user's own events stay in order.
-    Playback actions become playbacks with a matching fraction played, likes/saves/shares
-    interactions; MovieLens VIEW becomes a partial playback.
     """
     lengths = log.lengths()
     owner = np.repeat(np.arange(log.num_users), lengths)  # [E]
@@ -176,13 +174,16 @@ def log_to_events(
     chosen = np.arange(log.num_events) if users is None else np.flatnonzero(np.isin(owner, users))
     jitter = np.random.default_rng(seed).random(len(chosen))
     order = chosen[np.lexsort((jitter, rank[chosen]))][:limit]
-    out: list[Event] = []
-    for i in order.tolist():
-        user, item = log.users[int(owner[i])], str(log.items[i])
-        action, ts = Action(int(log.actions[i])), int(log.ts_ms[i])
-        if action in _INTERACTION:
-            out.append(InteractionEvent(user, item, ts, _INTERACTION[action]))
-        else:
-            played = _PLAYED_MS.get(action, _PLAYED_MS[Action.PARTIAL])
-            out.append(PlaybackEvent(user, item, ts, played, _DURATION_MS))
-    return out
+    return [_event(log, int(owner[i]), i) for i in order.tolist()]
+
+
+def _event(log: InteractionLog, user: int, i: int) -> Event:
+    """Token ``i`` (of ``user``) as a wire event: playback actions become playbacks with a
+    matching fraction played, likes/saves/shares interactions, MovieLens VIEW a partial
+    playback."""
+    name, item = log.users[user], str(log.items[i])
+    action, ts = Action(int(log.actions[i])), int(log.ts_ms[i])
+    if action in _INTERACTION:
+        return InteractionEvent(name, item, ts, _INTERACTION[action])
+    played = _PLAYED_MS.get(action, _PLAYED_MS[Action.PARTIAL])
+    return PlaybackEvent(name, item, ts, played, _DURATION_MS)

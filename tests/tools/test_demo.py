@@ -22,6 +22,7 @@ from streamrec.tools.demo_data import (
     replay_users,
 )
 from streamrec.tools.demo_report import Exactness, Recorder
+from streamrec.tools.update_cost import UpdateCosts
 
 
 def write_movielens(directory: Path, users: int = 40, per_user: int = 30) -> Path:
@@ -52,7 +53,7 @@ def test_titles_come_from_movies_csv_and_are_shortened(tmp_path: Path) -> None:
     assert source.title("7") == "Film Number 7, The (1957)"
     assert source.title("unknown-id") == "unknown-id"
     long = DemoSource("movielens", source.log, {"1": "x" * 80})
-    assert len(long.title("1")) == 32 and long.title("1").endswith("…")
+    assert len(long.title("1")) == 26 and long.title("1").endswith("…")
     assert read_titles(tmp_path / "absent.csv") == {}
 
 
@@ -67,6 +68,7 @@ def test_source_falls_back_to_synthetic_only_without_movielens(
     monkeypatch.setattr(demo_data, "MOVIELENS_DIRS", (tmp_path / "nowhere",))
     fallback = load_source(None, synthetic=False, users=12, events_per_user=7)
     assert (fallback.name, fallback.log.num_users) == ("synthetic", 12)
+    assert set(fallback.log.lengths()) == {7}
 
 
 def test_replay_interleaves_the_chosen_users_in_their_own_order(tmp_path: Path) -> None:
@@ -91,7 +93,7 @@ def rec(user: str, version: int, items: list[tuple[str, float]], at: int, **ms: 
     )  # fmt: skip
 
 
-def test_recorder_groups_batches_and_exactness_compares_scores() -> None:
+def test_recorder_keeps_one_timing_per_batch_and_exactness_compares_scores() -> None:
     recorder = Recorder()
     one = {"append": 1.0, "extend": 4.0, "rank": 2.0}
     recorder(rec("a", 1, [("x", 0.5)], 10, **one), 0.01)
@@ -99,17 +101,16 @@ def test_recorder_groups_batches_and_exactness_compares_scores() -> None:
     recorder(rec("a", 2, [("x", 0.7), ("y", 0.3)], 11, append=1.0, extend=1.0, rank=1.0), 0.03)
     assert recorder.latest["a"].version == 2 and len(recorder.latencies_s) == 3
     assert recorder.phase_ms() == {"append": [1.0, 1.0], "extend": [4.0, 1.0], "rank": [2.0, 1.0]}
-    assert recorder.step_ms_per_user(["a", "b"]) == [2.0, 3.0]  # (1+1)/1, (4+2)/2
     exact = Exactness.compare(
         recorder.latest,
         {"a": [("x", 0.7 + 2e-7), ("y", 0.3)], "b": [("z", 0.4)]},
-        recompute_ms=[10.0, 30.0],
-        incremental_ms=[2.0, 3.0],
+        UpdateCosts(incremental_ms=[2.0, 3.0], recompute_ms=[10.0, 30.0], max_abs_diff=1e-7),
         events=[2, 1],
     )
     assert (exact.users, exact.same_top_k) == (2, 1)
     assert exact.max_abs_diff == pytest.approx(2e-7)
     assert (exact.incremental_ms_per_user, exact.recompute_ms_per_user) == (2.5, 20.0)
+    assert exact.offline_max_abs_diff == 1e-7
 
 
 @pytest.mark.broker
