@@ -240,7 +240,7 @@ def _exactness(
 def _quality(source: DemoSource, model_dir: Path, out: TextIO) -> Quality | None:
     try:
         result = evaluate(model_dir, training_log(source), k=10, report=None, device="cpu")
-    except StreamrecError as exc:
+    except (StreamrecError, RuntimeError) as exc:  # e.g. the data do not fit the model
         out.write(f"model quality: not measured ({exc})\n")
         return None
     return Quality(result.k, result.model.hr, result.popular.hr, result.num_users)
@@ -302,7 +302,13 @@ async def run_demo(cfg: DemoConfig, config: WorkerConfig, source: DemoSource,
             if status != 0:
                 raise BrokerError(f"the demo worker exited with status {status}")
         histories = await _compared_histories(store, recorder, hstu.max_seq_len, cfg.compare_users)
-        exactness = await asyncio.to_thread(_exactness, loaded, config, histories, recorder.latest)
+        try:
+            exactness: Exactness | None = await asyncio.to_thread(
+                _exactness, loaded, config, histories, recorder.latest
+            )
+        except (StreamrecError, RuntimeError) as exc:  # the table goes on without it
+            out.write(f"incremental vs full recompute: not measured ({exc})\n")
+            exactness = None
     finally:
         await store.close()
     quality = await asyncio.to_thread(_quality, source, config.model.model_dir, out)
