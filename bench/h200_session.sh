@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|speedup|rest|demo|demo-aoti
+#   bash bench/h200_session.sh tests|kernel|speedup|rest|prefill|aoti|host13|worker13|demo|demo-aoti|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -51,12 +51,67 @@ for stage in "$@"; do
       cp "$OUT/h200.json" "$OUT/h200_rest.json"
       python3 -m bench.engine_bench --config hstu-8l --device cuda --steps 40 2>&1 | tail -8
       cp bench/results/engine_hstu-8l_cuda.json "$OUT/" 2>/dev/null ;;
-    worker|worker-eager)  # (e): the whole worker with the dev broker on this machine
+    worker|worker-eager|worker-aoti)  # (e): the whole worker with the dev broker here
       flags=""; [ "$stage" = worker-eager ] && flags="--no-cuda-graphs"
+      [ "$stage" = worker-aoti ] && flags="--aoti"  # AOTI packages in CUDA graphs (issue 15)
       python3 -m bench.worker_bench --config hstu-8l --device cuda --users 2000 \
         --events 60000 --rates 2000 5000 10000 20000 --seconds 10 --drain-s 40 \
         --max-batch-users 256 --warm-wave 32 --partitions 4 $flags 2>&1 | tail -12
       cp bench/results/worker_bench_hstu-8l_cuda.json "$OUT/$stage.json" 2>/dev/null ;;
+    host13)  # issue 13: what the host path alone sustains (null model), before and after.
+      # The worker as of 0ec88f9 sits in .carry/before with this bench copied in.
+      hc="--config hstu-8l --host-ceiling --users 2000 --events 100000 --rates 10000 20000
+          50000 80000 --seconds 5 --drain-s 15 --max-batch-users 256 --partitions 8"
+      mkdir -p "$OUT/res"
+      res=$(cd "$OUT/res" && pwd)
+      if [ -d .carry/before ]; then
+        (cd .carry/before && timeout 240 python3 -m bench.worker_bench $hc --machine h200-host \
+          --label before --results-dir "$res" 2>&1 | tail -7)
+      fi
+      timeout 240 python3 -m bench.worker_bench $hc --machine h200-host --label after \
+        --results-dir "$res" 2>&1 | tail -7
+      cp "$res/worker_host_ceiling.json" "$OUT/" 2>/dev/null ;;
+    worker13)  # issue 13: the default serving configuration, HSTU-8L, before and after,
+      # each under py-spy (raw stacks: the loop profile of BENCHMARKS.md)
+      w8="--config hstu-8l --device cuda --users 2000 --events 60000 --rates 2000 5000 10000
+          --seconds 8 --drain-s 20 --max-batch-users 256 --partitions 4"
+      spy=""; [ -x /tmp/site/bin/py-spy ] && spy="/tmp/site/bin/py-spy record --format raw --threads --rate 97"
+      mkdir -p "$OUT/before" "$OUT/after"
+      if [ -d .carry/before ]; then
+        (cd .carry/before && timeout 280 ${spy:+$spy --output $OUT/before/loop.folded --} \
+          python3 -m bench.worker_bench $w8 --warm-wave 32 --results-dir "$OUT/before" 2>&1 \
+          | grep -v "^py-spy" | tail -6)
+      fi
+      timeout 280 ${spy:+$spy --output $OUT/after/loop.folded --} python3 -m bench.worker_bench \
+        $w8 --warm-wave 256 --results-dir "$OUT/after" 2>&1 | grep -v "^py-spy" | tail -6
+      cp "$OUT/after/worker_bench_hstu-8l_cuda.json" "$OUT/" 2>/dev/null ;;
+    prefill)  # issue 14 items 1-2: fused prefill tests, kernel sweep, speedup vs recompute-fused
+      python3 -m pytest -q -s -m gpu tests/models/test_prefill_attention.py \
+        tests/bench/test_h200_common.py -p no:cacheprovider 2>&1 | tee "$OUT/prefill_tests.log" \
+        | grep -E "rel err|torch bf16|fused vs|passed|failed|Error" | tail -40
+      python3 -m bench.h200_bench --sections prefill --iters 20 --out "$OUT/prefill" 2>&1 \
+        | grep -E "^best|^prefill|failed|Error" | tail -40
+      cp "$OUT/prefill/h200.json" "$OUT/h200_prefill_sweep.json"
+      python3 -m bench.h200_bench --sections speedup --workloads HSTU-8L HSTU-3L \
+        --batches 1 8 64 256 --iters 10 --no-compile --paths recompute triton \
+        --out "$OUT/prefill" 2>&1 | grep -v "^W[0-9]" | tail -45
+      cp "$OUT/prefill/h200.json" "$OUT/h200_speedup_fused.json" ;;
+    aoti)  # issue 15: AOTI gpu tests, incremental-aoti-* speedup paths, start-up to ready.
+      # Packages compile once into .streamrec-cache/bench-aoti (kept on a warm machine):
+      # both workloads and each package's entry points in parallel, the gpu tests' tiny
+      # packages alongside. AOTI_WORKLOADS=HSTU-8L skips 3L (its compile and its rows).
+      wl=${AOTI_WORKLOADS:-HSTU-8L HSTU-3L}
+      export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}
+      python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_aoti_runtime.py \
+        tests/pipeline/test_graphed_model.py > "$OUT/aoti_gpu_tests.log" 2>&1 &
+      tests=$!
+      python3 -m bench.aoti_packages --workloads $wl --out "$OUT" > "$OUT/aoti_packages.log" 2>&1
+      grep -E "^aoti|compiled|failed|Error|packages ready|\|" "$OUT/aoti_packages.log" | tail -16
+      wait $tests; echo "gpu tests:"; grep -E "passed|failed|error|Error" "$OUT/aoti_gpu_tests.log" | tail -8
+      python3 -m bench.h200_bench --sections speedup --paths triton aoti --workloads $wl \
+        --batches 1 8 64 --iters 20 --no-compile --out "$OUT/aoti" 2>&1 | grep -v "^W[0-9]" | tail -32
+      cp "$OUT/aoti/h200.json" "$OUT/h200_aoti_speedup.json" 2>/dev/null
+      python3 -m bench.startup_bench --workload HSTU-8L --out "$OUT" 2>&1 | tail -8 ;;
     demo)  # issue 17: the demo on the GPU (eager + CUDA graphs), closing table in demo_eager.txt
       python3 -m streamrec.tools.cli demo --synthetic 2>&1 | tee "$OUT/demo_eager.txt" | tail -22 ;;
     demo-aoti)  # issue 17 item 11: the demo's model exported, then served with require_aoti

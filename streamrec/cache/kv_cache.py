@@ -62,6 +62,20 @@ class KVCacheConfig:
         return int(n)
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Step metadata (tokens, block tables, slots) to ``device`` without a stream sync.
+
+    A plain ``.to(cuda)`` from pageable memory synchronizes the stream after the copy, so
+    the host waits for every kernel queued before it and cannot queue the next phase
+    while the GPU runs this one. Through pinned memory (the caching host allocator, which
+    keeps a buffer until the copy that reads it has run) the copy is asynchronous.
+    """
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def free_memory_bytes(device: torch.device) -> int:
     """Free memory of ``device`` now: CUDA free memory, or available RAM on the CPU."""
     if device.type == "cuda":
@@ -98,8 +112,10 @@ class KVCache:
         *,
         budget_bytes: int | None = None,
         free_fraction: float | None = None,
+        cap_bytes: int | None = None,
     ) -> KVCache:
-        """Size the pool from bytes, or from a fraction of the device's free memory now."""
+        """Size the pool from bytes, or from a fraction of the device's free memory now
+        (at most ``cap_bytes``: on the CPU the RAM is shared with everything else)."""
         if (budget_bytes is None) == (free_fraction is None):
             raise ConfigError(
                 f"give exactly one of budget_bytes={budget_bytes} and free_fraction={free_fraction}"
@@ -110,6 +126,8 @@ class KVCache:
                 raise ConfigError(f"free_fraction must be in (0, 1], got {free_fraction}")
             budget_bytes = int(free_memory_bytes(dev) * free_fraction)
         assert budget_bytes is not None
+        if cap_bytes is not None:
+            budget_bytes = min(budget_bytes, cap_bytes)
         return cls(config, config.num_blocks_for(budget_bytes), dev)
 
     @property
@@ -170,5 +188,4 @@ class KVCache:
         return self._to_device(np.ascontiguousarray(slots, dtype=np.int64))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        # Small metadata: a plain copy beats pinning a fresh buffer on every call.
-        return torch.from_numpy(array).to(self.device)
+        return to_device(array, self.device)

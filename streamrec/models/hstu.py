@@ -29,6 +29,7 @@ from streamrec.models.paged_attention import (
     fused_candidate_attention,
     fused_context_attention,
 )
+from streamrec.models.prefill_attention import fused_prefill_attention, fused_prefill_enabled
 from streamrec.schemas.events import Action
 
 LayerState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -316,9 +317,17 @@ class HSTU(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Full recompute of whole histories; also returns the normed outputs z [T, D].
 
-        Each user's tokens go into a dense row of ``width`` (default ``dense_width``); a
-        history must not exceed max_seq_len tokens.
+        On CUDA with Triton (and no explicit ``width``) the tokens stay jagged and the
+        attention is the fused prefill op; otherwise each user's tokens go into a dense
+        row of ``width`` (default ``dense_width``). A history must not exceed max_seq_len
+        tokens.
         """
+        cfg = self.config
+        if width is None and fused_prefill_enabled(
+            self.attention_backend, items, cfg.head_dim, cfg.num_time_buckets,
+            cfg.time_bucket_width,
+        ):  # fmt: skip
+            return self._prefill_jagged(items, actions, ts, offsets)
         num_tokens = items.shape[0]
         num_users = offsets.shape[0] - 1
         width = self.dense_width(offsets) if width is None else width
@@ -341,6 +350,26 @@ class HSTU(nn.Module):
         v = torch.stack([vl.reshape(num_users * width, *heads)[grid] for vl in vs])
         z_tok = self.norm_out(z.reshape(num_users * width, d_model)[grid])  # [T, D]
         return k, v, z_tok
+
+    def _prefill_jagged(
+        self, items: torch.Tensor, actions: torch.Tensor, ts: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``prefill_states`` on jagged tokens: projections over [T, D], fused attention,
+        no padding and no [B, W, W] temporaries."""
+        x = self._embed(items, actions)  # [T, D]
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        for layer in self.layers:
+            assert isinstance(layer, HSTULayer)
+            u, v, q, k = layer.project(x)  # [T, H, d] (views of one projection)
+            attn = fused_prefill_attention(
+                q, k, v, ts, offsets, layer.pos_bias, layer.time_bias,
+                self.time_edges, self.config.max_seq_len,  # type: ignore[arg-type]
+            )  # fmt: skip
+            x = layer.output(x, u, attn)
+            ks.append(k)
+            vs.append(v)
+        return torch.stack(ks), torch.stack(vs), self.norm_out(x)
 
     def prefill(
         self, items: torch.Tensor, actions: torch.Tensor, ts: torch.Tensor, offsets: torch.Tensor

@@ -6,50 +6,16 @@ can only differ in how the user's cache was built, never in how it is scored.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from streamrec.cache.kv_cache import KVCache
+from streamrec.cache.kv_cache import KVCache, to_device
 from streamrec.errors import ConfigError
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
-
-if TYPE_CHECKING:
-    from streamrec.pipeline.model_step import StepTimings
-
-
-def _default_weights() -> dict[str, float]:
-    return {"complete": 1.0, "like": 1.0, "skip": -1.0}
-
-
-@dataclass(frozen=True)
-class ScoringConfig:
-    """How many items come out, how many are ranked, how task scores combine.
-
-    With ``num_candidates == 0`` ranking is off and the retrieval score orders the list.
-    The ranking score of a candidate is ``Σ weight[task] · p(task)`` over the model's
-    tasks; tasks without a weight count 0.
-    """
-
-    top_k: int = 20
-    num_candidates: int = 64
-    exclude_recent: int = 16
-    task_weights: Mapping[str, float] = field(default_factory=_default_weights)
-
-    def __post_init__(self) -> None:
-        if self.top_k < 1:
-            raise ConfigError(f"top_k={self.top_k} must be >= 1")
-        if self.num_candidates and self.num_candidates < self.top_k:
-            raise ConfigError(
-                f"num_candidates={self.num_candidates} must be 0 (no ranking) or >= "
-                f"top_k={self.top_k}"
-            )
-        if self.exclude_recent < 0:
-            raise ConfigError(f"exclude_recent={self.exclude_recent} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -66,7 +32,6 @@ class Scorer:
         cache: KVCache,
         config: ScoringConfig,
         task_names: Sequence[str],
-        sync: Callable[[], None] | None = None,
     ) -> None:
         unknown = sorted(set(config.task_weights) - set(task_names))
         if unknown:
@@ -77,7 +42,6 @@ class Scorer:
         self.task_names = tuple(task_names)
         weights = [float(config.task_weights.get(name, 0.0)) for name in self.task_names]
         self._weights = torch.tensor(weights, dtype=torch.float32, device=cache.device)  # [tasks]
-        self._sync = sync or (lambda: None)
 
     def score(
         self,
@@ -85,32 +49,31 @@ class Scorer:
         recent: Sequence[np.ndarray],
         query_ts: Sequence[int],
         users: Sequence[str],
-        timings: StepTimings,
+        mark: Callable[[str], None] = lambda phase: None,
     ) -> ScoredUsers:
+        """Top-K per user; ``mark("retrieve")``/``mark("rank")`` end those phases."""
         cfg = self.config
         device = user_emb.device
         num_users = user_emb.shape[0]
-        start = time.perf_counter()
         width = max(1, max((len(r) for r in recent), default=0))
         exclude = np.full((num_users, width), -1, dtype=np.int64)  # [B, E]
         for row, rows in enumerate(recent):
             exclude[row, : len(rows)] = rows
         pool = cfg.num_candidates or cfg.top_k
         ret_scores, ret_items = self.model.retrieve(
-            user_emb, pool, torch.from_numpy(exclude).to(device)
+            user_emb, pool, to_device(exclude, device)
         )  # [B, pool] each
-        self._sync()
-        timings.retrieve += time.perf_counter() - start
+        mark("retrieve")
         if not cfg.num_candidates:
-            return ScoredUsers(
+            out = ScoredUsers(
                 items=ret_items.cpu().numpy(),
                 scores=ret_scores.float().cpu().numpy(),
                 task_scores=None,
             )
-
-        start = time.perf_counter()
+            mark("rank")
+            return out
         tables, lens = self.cache.batch_tables(list(users))  # [B, MB], [B]
-        ts = torch.tensor(list(query_ts), dtype=torch.int64, device=device)  # [B]
+        ts = to_device(np.asarray(query_ts, dtype=np.int64), device)  # [B]
         probs = self.model.rank(
             ret_items, ts, self.cache.kv, self.cache.ts, tables, lens
         ).float()  # [B, pool, tasks]
@@ -118,10 +81,9 @@ class Scorer:
         top_scores, order = torch.topk(combined, cfg.top_k, dim=1)  # [B, top_k]
         items = torch.gather(ret_items, 1, order)
         task = torch.gather(probs, 1, order.unsqueeze(-1).expand(-1, -1, probs.shape[-1]))
-        out = ScoredUsers(
+        mark("rank")
+        return ScoredUsers(
             items=items.cpu().numpy(),
             scores=top_scores.cpu().numpy(),
             task_scores=task.cpu().numpy(),
         )
-        timings.rank += time.perf_counter() - start
-        return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, Protocol
 
 from msgpack import unpackb
 from orjson import loads as json_loads
@@ -57,6 +57,25 @@ from streamrec.schemas.wire import (
 DEFAULT_MAX_RECORD_BYTES: Final = 64 * 1024
 
 
+class ConsumedRecord(Protocol):
+    """What decoding and dead-lettering read of a consumed record: ``RawRecord`` and
+    aiokafka's ``ConsumerRecord`` both have it, so the worker hands aiokafka's records
+    over as they are (no copy per record)."""
+
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> Headers: ...
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class RawRecord:
     """One consumed Kafka record, as much of it as decoding and dead-lettering need."""
@@ -86,7 +105,7 @@ class DecodedEvent(NamedTuple):
 class RejectedRecord:
     """A record that is not a valid event; ``reason`` names the field and the value."""
 
-    record: RawRecord
+    record: ConsumedRecord
     kind: ErrorKind
     reason: str
 
@@ -212,7 +231,7 @@ def _builder_for(kind: EventKind, max_record_bytes: int) -> _Builder:
 
 
 def decode_batch(
-    records: Iterable[RawRecord],
+    records: Iterable[ConsumedRecord],
     kind: EventKind,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     *,
@@ -229,6 +248,8 @@ def decode_batch(
     events: list[DecodedEvent] = []
     errors: list[RejectedRecord] = []
     append_event = events.append
+    # A producer sends the same headers on every record: parse each distinct tuple once.
+    formats: dict[object, WireFormat | None] = {}
     # One flat loop body, no helper calls on the valid path: this runs once per consumed event.
     for record in records:
         try:
@@ -243,7 +264,15 @@ def decode_batch(
                 )
             if size == 0:
                 raise SchemaError(ErrorKind.UNDECODABLE, "empty record value")
-            fmt = header_format(record.headers) if record.headers else None
+            headers = record.headers
+            if not headers:
+                fmt = None
+            else:
+                key = tuple(headers)
+                if key in formats:
+                    fmt = formats[key]
+                else:
+                    fmt = formats[key] = header_format(headers)
             if fmt is None:
                 fmt = SNIFF_TABLE[value[0]]
             try:

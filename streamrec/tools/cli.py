@@ -163,8 +163,8 @@ def _export(args: argparse.Namespace) -> int:
     looks for (model dir, cache dir, device, retrieve k) is the one that gets built."""
     from streamrec.tools.export_command import run_export
 
-    model_cfg = effective_config(args).model
-    return run_export(args, model_cfg, resolve_device(model_cfg.device, "model.device ="))
+    config = effective_config(args)
+    return run_export(args, config, resolve_device(config.model.device, "model.device ="))
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -28,10 +28,13 @@ from typing import Final, TextIO
 
 from aiokafka import AIOKafkaProducer
 
-from streamrec.cache.history_store import History, HistoryStore, open_history_store
+from streamrec.cache.history_backends import open_history_store
+from streamrec.cache.history_store import History, HistoryStore
 from streamrec.errors import BrokerError, StreamrecError
 from streamrec.offline.evaluation import evaluate
+from streamrec.pipeline.micro_batcher import BatcherConfig
 from streamrec.pipeline.reference import full_recompute
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import Event, PlaybackEvent
 from streamrec.schemas.records import Recommendation
@@ -61,9 +64,8 @@ from streamrec.tools.demo_report import (
 )
 from streamrec.tools.devbroker import DevBroker
 from streamrec.tools.update_cost import measure_update_costs
-from streamrec.worker.app import App, serving_scoring
+from streamrec.worker.app import App
 from streamrec.worker.config import (
-    BatchingConfig,
     CacheConfig,
     GroupConfig,
     HttpConfig,
@@ -76,6 +78,8 @@ from streamrec.worker.config import (
 )
 from streamrec.worker.logging_setup import configure_logging
 from streamrec.worker.model_loader import LoadedModel, load_model
+from streamrec.worker.serving_pipeline import Published
+from streamrec.worker.serving_stack import serving_scoring
 
 __all__ = ["DemoConfig", "run_demo", "run_demo_command", "train_demo_model", "worker_config"]
 
@@ -97,9 +101,10 @@ def worker_config(bootstrap: str, model_dir: Path) -> WorkerConfig:
         kafka=KafkaConfig(bootstrap_servers=bootstrap, client_id="streamrec-demo"),
         topics=TopicsConfig(),
         group=GroupConfig(group_id="streamrec-demo", commit_interval_ms=200),
-        batching=BatchingConfig(max_batch_users=64, max_wait_ms=5.0),
+        batching=BatcherConfig(max_batch_users=64, max_wait_ms=5.0),
+        scoring=ScoringConfig(num_candidates=64, top_k=10),
         cache=CacheConfig(kv_budget_bytes=32 << 20, host_tier_bytes=0),
-        model=ModelConfig(model_dir=model_dir, device="cpu", num_candidates=64, top_k=10),
+        model=ModelConfig(model_dir=model_dir, device="cpu"),
         store=StoreConfig(url="memory://"),
         http=HttpConfig(host="127.0.0.1", port=0),
         log=LogConfig(format="text", level="WARNING"),
@@ -217,7 +222,7 @@ def _exactness(
 ) -> Exactness:
     """The worker's last answers against the oracle, and the cost of an update both ways."""
     hstu = loaded.checkpoint.config
-    scoring = serving_scoring(config.model, hstu)
+    scoring = serving_scoring(config.scoring, hstu)
     vocab = loaded.checkpoint.vocab
     expected = full_recompute(
         loaded.model, histories, num_layers=hstu.num_layers, num_heads=hstu.num_heads,
@@ -263,9 +268,10 @@ async def run_demo(cfg: DemoConfig, config: WorkerConfig, source: DemoSource,
         source, list(dict.fromkeys(e.user_id for e in events))[: cfg.watch_users], out
     )
 
-    def published(rec: Recommendation, latency_s: float) -> None:
-        recorder(rec, latency_s)
-        watcher(rec, latency_s)
+    def published(done: Published) -> None:
+        rec = done.recommendation()  # decodes the record: fine at demo rates
+        recorder(rec, done.latency_s)
+        watcher(rec, done.latency_s)
 
     try:
         async with DevBroker() as broker:

@@ -41,7 +41,7 @@ DEMO_DEFAULTS: Final[dict[str, object]] = {
     "group.commit_interval_ms": 200,
     "cache.kv_budget_bytes": 32 << 20,
     "cache.host_tier_bytes": 0,
-    "model.top_k": 10,
+    "scoring.top_k": 10,
     "http.host": "127.0.0.1",
     "http.port": 0,
     "log.format": "text",

@@ -1,11 +1,13 @@
 """``streamrec export``: compile a model directory into the AOTI package cache.
 
 The worker loads from the same cache with the same ``ExportConfig`` (``--retrieve-k``
-must cover the worker's ``model.num_candidates``), so exporting ahead of a deploy turns
+must cover the worker's ``scoring.num_candidates``), so exporting ahead of a deploy turns
 the worker's start into a load (seconds) instead of a compile (minutes). The model
 directory, the cache and the device come from the worker's configuration (``--model``,
 ``--cache-dir``, ``--device`` are its shortcuts), so the package built is the one the
-worker with that configuration looks for.
+worker with that configuration looks for. ``--jobs N`` compiles N entry points at a
+time, each in its own process (each loads the model: mind the memory of an 8-layer,
+1M-item model, several GB per process).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from streamrec.errors import ExportError
 from streamrec.models.aoti_export import ENTRY_POINTS, ExportConfig, export_model
 from streamrec.models.config import DTYPES
-from streamrec.worker.config import ModelConfig
+from streamrec.worker.config import WorkerConfig
 from streamrec.worker.model_loader import export_config_for
 
 
@@ -27,30 +29,34 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--retrieve-k", type=int,
         help="largest k retrieve serves (default: the worker's, max of "
-        f"{ExportConfig().retrieve_k} and model.num_candidates)",
+        f"{ExportConfig().retrieve_k} and scoring.num_candidates)",
     )  # fmt: skip
     parser.add_argument(
         "--entry-points", default=",".join(ENTRY_POINTS), help="model methods to compile"
     )
     parser.add_argument("--force", action="store_true", help="recompile even on a cache hit")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="entry points compiled at once (one process each)"
+    )
 
 
-def run_export(args: argparse.Namespace, model_cfg: ModelConfig, device: str) -> int:
+def run_export(args: argparse.Namespace, config: WorkerConfig, device: str) -> int:
     """Handler of ``streamrec export``; returns the exit status (errors name the cause)."""
 
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    retrieve_k = args.retrieve_k or export_config_for(model_cfg).retrieve_k
+    model_cfg = config.model
+    retrieve_k = args.retrieve_k or export_config_for(config.scoring).retrieve_k
     try:
-        config = ExportConfig(
+        export = ExportConfig(
             entry_points=tuple(args.entry_points.split(",")), retrieve_k=retrieve_k
         )
         directory = export_model(
             model_cfg.model_dir, device, model_cfg.aoti_cache_dir, dtype=args.dtype,
-            config=config, progress=progress, force=args.force,
-        )  # fmt: skip
+            config=export, progress=progress, force=args.force, jobs=args.jobs,
+        ).directory  # fmt: skip
     except ExportError as exc:
         progress(f"export failed: {exc}")
         return 1

@@ -22,7 +22,8 @@ from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.cache.kv_tiers import KVTiers
 from streamrec.models.config import HSTUConfig
 from streamrec.pipeline.model_step import ModelStep, UserOutput, UserWork
-from streamrec.pipeline.scorer import Scorer, ScoringConfig
+from streamrec.pipeline.scorer import Scorer
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
 
 
@@ -50,10 +51,8 @@ class _Bench:
         )
         cache = KVCache(geometry, 2 * blocks, device)
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        scorer = Scorer(model, cache, scoring, hstu.task_names, sync=self.sync)
-        self.step = ModelStep(
-            model, KVTiers(cache, None, hstu.max_seq_len), scorer, device, sync=self.sync
-        )
+        scorer = Scorer(model, cache, scoring, hstu.task_names)
+        self.step = ModelStep(model, KVTiers(cache, None, hstu.max_seq_len), scorer, device)
         self.keep = scoring.exclude_recent
 
     def _recent(self, items: np.ndarray) -> np.ndarray:

@@ -22,13 +22,14 @@ already had) cannot be recognised by offset at all; they would need event ids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from streamrec.cache.history_store import (
     AppendResult,
     History,
     HistoryEvent,
     HistoryStore,
+    TopicPartition,
     UserId,
 )
 from streamrec.cache.stats import HistoryStoreStats
@@ -61,12 +62,11 @@ class LogScopedStore(HistoryStore):
     def scoped(self, topic: str) -> str:
         return f"{topic}{SCOPE_SEPARATOR}{self._log_id}"
 
-    async def append(self, batch: Sequence[HistoryEvent]) -> AppendResult:
-        events = [
-            HistoryEvent(e[0], self.scoped(e[1]), e[2], e[3], e[4])  # plain tuples too
-            for e in batch
-        ]
-        return await self.inner.append(events)
+    async def append(self, batch: Sequence[HistoryEvent], scope: str = "") -> AppendResult:
+        return await self.inner.append(batch, scope=self.scoped("") + scope)
+
+    async def drop_partitions(self, tps: Collection[TopicPartition]) -> None:
+        await self.inner.drop_partitions([(self.scoped(t), p) for t, p in tps])
 
     async def get(self, users: Sequence[UserId]) -> dict[UserId, History]:
         return await self.inner.get(users)

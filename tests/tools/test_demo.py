@@ -120,7 +120,7 @@ def test_demo_on_movielens_shows_titles_the_claim_and_honours_the_config_layers(
 ) -> None:
     ratings = write_movielens(tmp_path / "ml")
     monkeypatch.chdir(tmp_path)  # the demo keeps its model under ./.streamrec-cache/demo
-    monkeypatch.setenv("STREAMREC_MODEL__TOP_K", "2")  # an environment layer it must honour
+    monkeypatch.setenv("STREAMREC_SCORING__TOP_K", "2")  # an environment layer it must honour
     argv = ["demo", "--ratings", str(ratings), "--num-events", "300", "--unpaced-events",
             "500", "--users", "30", "--rate", "1500",
             "--set", "batching.max_batch_users=16"]  # fmt: skip

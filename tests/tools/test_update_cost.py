@@ -9,9 +9,9 @@ import torch
 
 from streamrec.cache.history_store import History
 from streamrec.models.checkpoint import load_checkpoint
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.tools.update_cost import measure_update_costs
-from streamrec.worker.app import serving_scoring
-from streamrec.worker.config import ModelConfig
+from streamrec.worker.serving_stack import serving_scoring
 from tests.worker.harness import tiny_model_dir
 
 
@@ -25,7 +25,7 @@ def history(rng: np.random.Generator, n: int, num_items: int) -> History:
 def test_incremental_and_recompute_are_timed_for_the_same_users_and_agree(tmp_path: Path) -> None:
     ckpt = load_checkpoint(tiny_model_dir(tmp_path / "m"))
     hstu = ckpt.config
-    scoring = serving_scoring(ModelConfig(num_candidates=16, top_k=5), hstu)
+    scoring = serving_scoring(ScoringConfig(num_candidates=16, top_k=5), hstu)
     rng = np.random.default_rng(0)
     histories = {f"u{n}": history(rng, n, hstu.num_items) for n in (1, 7, 16, 17, 40)}
     costs = measure_update_costs(ckpt.model, hstu, scoring, histories, torch.device("cpu"), 8)

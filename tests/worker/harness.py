@@ -25,15 +25,17 @@ from streamrec.models.checkpoint import load_checkpoint, save_checkpoint
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
 from streamrec.models.vocabulary import ItemVocabulary
+from streamrec.pipeline.micro_batcher import BatcherConfig
 from streamrec.pipeline.reference import full_recompute
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import InteractionEvent, PlaybackEvent
 from streamrec.schemas.records import DeadLetter, Recommendation
 from streamrec.schemas.validation import ErrorKind
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER
-from streamrec.worker.app import App, serving_scoring
+from streamrec.worker import serving_pipeline
+from streamrec.worker.app import App
 from streamrec.worker.config import (
-    BatchingConfig,
     CacheConfig,
     GroupConfig,
     HttpConfig,
@@ -44,6 +46,7 @@ from streamrec.worker.config import (
     TopicsConfig,
     WorkerConfig,
 )
+from streamrec.worker.serving_stack import serving_scoring
 
 PARTITIONS = 4
 MAX_RECORD_BYTES = 2_048
@@ -130,9 +133,10 @@ def worker_config(
         group=GroupConfig(
             group_id=group_id, commit_interval_ms=100, drain_timeout_s=drain_timeout_s
         ),
-        batching=BatchingConfig(max_batch_users=64, max_wait_ms=5.0),
+        batching=BatcherConfig(max_batch_users=64, max_wait_ms=5.0),
+        scoring=ScoringConfig(num_candidates=16, top_k=5),
         cache=CacheConfig(kv_budget_bytes=kv_blocks_bytes, block_size=BLOCK_SIZE),
-        model=ModelConfig(model_dir=model_dir, device="cpu", num_candidates=16, top_k=5),
+        model=ModelConfig(model_dir=model_dir, device="cpu"),
         store=StoreConfig(url=store_url),
         http=HttpConfig(host="127.0.0.1", port=0),
         log=LogConfig(format="json", level="INFO"),
@@ -147,6 +151,9 @@ class Stream:
     records: list[tuple[str, bytes | None, bytes]] = field(default_factory=list)
     valid: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # user -> events
     malformed: dict[bytes, str] = field(default_factory=dict)  # value -> expected kind
+    # user -> (topic, event time) in produce order; times increase per user, so within
+    # each topic this is the order the worker must apply them in
+    ts: dict[str, list[tuple[str, int]]] = field(default_factory=lambda: defaultdict(list))
 
     @property
     def users(self) -> list[str]:
@@ -212,6 +219,7 @@ def make_stream(
             topic = topics.interaction
         stream.records.append((topic, user.encode(), encode_event(event)))
         stream.valid[user] += 1
+        stream.ts[user].append((topic, ts[user]))
     return stream
 
 
@@ -338,7 +346,7 @@ def assert_matches_recompute(
         max_seq_len=hstu.max_seq_len,
         dtype=torch.float32,
         task_names=hstu.task_names,
-        scoring=serving_scoring(config.model, hstu),
+        scoring=serving_scoring(config.scoring, hstu),
         block_size=BLOCK_SIZE,
     )
     assert set(expected) == set(latest)
@@ -414,7 +422,8 @@ class Published:
     latest: dict[str, Recommendation] = field(default_factory=dict)
     count: int = 0
 
-    def __call__(self, rec: Recommendation, latency_s: float) -> None:
+    def __call__(self, published: serving_pipeline.Published) -> None:
+        rec = published.recommendation()
         self.count += 1
         have = self.latest.get(rec.user_id)
         if have is None or rec.version >= have.version:
@@ -433,15 +442,30 @@ def assert_end_state(
     histories: Mapping[str, History],
     latest: Mapping[str, Recommendation],
     max_seq_len: int = 64,
+    order: Mapping[str, list[tuple[str, int]]] | None = None,
 ) -> None:
     """The worker issue's end-state check: every valid event applied exactly once (nothing
-    lost, no token duplicated), every user's last list covers all its events and equals
-    the offline recompute."""
+    lost, no token duplicated), in order when ``order`` gives each user's event times,
+    every user's last list covers all its events and equals the offline recompute."""
     for user, count in valid.items():
         assert histories[user].total_appended == count, (user, histories[user].total_appended)
         assert len(histories[user]) == min(count, max_seq_len), user
+        if order is not None:
+            assert_applied_in_order(histories[user].ts.tolist(), order[user])
     assert {u: r.version for u, r in latest.items()} == dict(valid)
     assert_matches_recompute(model_dir, config, {u: histories[u] for u in valid}, latest)
+
+
+def assert_applied_in_order(history_ts: list[int], produced: list[tuple[str, int]]) -> None:
+    """The stored window is the newest events, each exactly once, and each topic's events
+    in produce order: the worker merges a user's two partitions by event time only over
+    the events a batch holds together, so across batches the topics may interleave."""
+    kept = sorted(ts for _, ts in produced)[-len(history_ts) :] if history_ts else []
+    assert sorted(history_ts) == kept, "the window is not the newest events, once each"
+    position = {ts: n for n, ts in enumerate(history_ts)}
+    for topic in {t for t, _ in produced}:
+        mine = [position[ts] for t, ts in produced if t == topic and ts in position]
+        assert mine == sorted(mine), f"events of {topic} applied out of produce order"
 
 
 async def start_app(app: App, timeout_s: float = 60) -> asyncio.Task[int]:
