@@ -70,6 +70,10 @@ for stage in "$@"; do
       fi
       timeout 240 python3 -m bench.worker_bench $hc --machine h200-host --label after \
         --results-dir "$res" 2>&1 | tail -7
+      # attribution: the same, with the interpreter's default GIL switch interval (5 ms)
+      timeout 240 python3 -m bench.worker_bench $hc --machine h200-host --label after-5ms-gil \
+        --switch-interval-ms 5 \
+        --results-dir "$res" 2>&1 | tail -7
       cp "$res/worker_host_ceiling.json" "$OUT/" 2>/dev/null ;;
     worker13)  # issue 13: the default serving configuration, HSTU-8L, before and after,
       # each under py-spy (raw stacks: the loop profile of BENCHMARKS.md)

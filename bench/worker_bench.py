@@ -555,6 +555,8 @@ async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
                 if worker.done() or time.monotonic() > deadline:
                     raise BrokerError(f"the bench worker was not ready within {ns.timeout_s} s")
                 await asyncio.sleep(0.05)
+            if ns.switch_interval_ms:  # after App.run set its own
+                sys.setswitchinterval(ns.switch_interval_ms / 1000.0)
             rows = await _phases(bench, plan, ns)
         finally:
             with contextlib.suppress(OSError):
@@ -642,6 +644,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default="", help="host-ceiling rows: e.g. before / after")
     parser.add_argument(
         "--aoti", action="store_true", help="serve the AOTI packages (bench.aoti_packages)"
+    )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.0,
+        help="sys.setswitchinterval once the worker is up (0: leave the worker's own)",
     )
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ns = parser.parse_args(argv)
