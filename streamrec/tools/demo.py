@@ -1,7 +1,7 @@
 """``streamrec demo``: the whole system on one machine, and the numbers that back its claim.
 
 A dev broker (Tansu) with the four topics; a small model trained on the demo data in
-seconds to a minute (kept under ``.streamrec-cache/demo/`` for the next run) or the
+seconds to a few CPU-minutes (kept under ``.streamrec-cache/demo/`` for the next run) or the
 configured one; MovieLens-small when the shared data is present (titles from
 ``movies.csv``), synthetic data otherwise; the real worker (``App``) in this process. Two
 replays: one paced at ``--rate`` (a few users' updates are printed as they are
