@@ -56,8 +56,9 @@ def broker_topics(topics: TopicsConfig, partitions: int) -> dict[str, int]:
     }
 
 
-def run_broker(config: WorkerConfig, partitions: int, out: TextIO = sys.stdout) -> int:
+def run_broker(config: WorkerConfig, partitions: int, out: TextIO | None = None) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit status (1 if the broker died)."""
+    out = out if out is not None else sys.stdout  # looked up per call: tests capture it
     port = listen_port(config.kafka.bootstrap_servers)
     topics = broker_topics(config.topics, partitions)
     stop = threading.Event()

@@ -252,8 +252,9 @@ def _quality(source: DemoSource, model_dir: Path, out: TextIO) -> Quality | None
 
 
 async def run_demo(cfg: DemoConfig, config: WorkerConfig, source: DemoSource,
-                   out: TextIO = sys.stdout) -> DemoReport:  # fmt: skip
+                   out: TextIO | None = None) -> DemoReport:  # fmt: skip
     """Broker, worker, two replays and the closing table (returned and printed)."""
+    out = out if out is not None else sys.stdout  # looked up per call: tests capture it
     loaded = await asyncio.to_thread(load_model, config.model)
     hstu = loaded.checkpoint.config
     out.write(_model_line(loaded, config) + "\n")
@@ -360,8 +361,9 @@ def _with_bootstrap(config: WorkerConfig, bootstrap: str) -> WorkerConfig:
     return replace(config, kafka=replace(config.kafka, bootstrap_servers=bootstrap))
 
 
-def run_demo_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run_demo_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``streamrec demo``: config layers, data, model (cached or trained), then the run."""
+    out = out if out is not None else sys.stdout
     cfg = DemoConfig(
         paced_events=args.num_events,
         unpaced_events=args.unpaced_events,
