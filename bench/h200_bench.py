@@ -1,8 +1,11 @@
 """Issue 8 on the H200, side by side in one run: cache speedup, kernels, hit rates, roofline.
 
 Sections (``--sections``):
-  kernel   fused op vs torch reference, alone: extend (1 query/user) and rank (256
-           candidates/user) at batch 64 and history 2048, launch-shape variants, K/V GB/s
+  kernel   the fused kernels alone, history 2048, batch 1/8/64, launch shapes swept, vs the
+           previous kernels (--baseline-kernels) and the fp32 reference: attention
+           (bench/attention_sweep.py: extend with 1/4/16 new tokens per user, % of copy
+           bandwidth; rank with 256 candidates, TFLOP/s) plus prefill
+  attention  the attention part of kernel alone
   speedup  (a) full recompute (dense: eager / torch.compile; jagged on the fused prefill
            kernels: CUDA graph, compiled + CUDA graph; the best taken) vs the
            incremental step (extend 1 token + rank 256 candidates over the paged cache,
@@ -35,6 +38,8 @@ import torch
 from bench._report import print_table, write_results
 from bench.aoti_packages import CACHE_DIR as AOTI_CACHE_DIR
 from bench.aoti_packages import SPEEDUP_ENTRY_POINTS, reference_model_dir
+from bench.attention_sweep import summary as sweep_summary
+from bench.attention_sweep import sweep_batch, sweep_model
 from bench.h200_common import (
     BLOCK_SIZE,
     Batch,
@@ -52,12 +57,13 @@ from bench.reference_config import BATCH_SIZES, HSTU_3L, HSTU_8L, SPEEDUP_HISTOR
 from bench.reference_config import ReferenceWorkload as Workload
 from streamrec.cache.block_pool import NoRoom
 from streamrec.cache.host_tier import HostTier
+from streamrec.models import candidate_attention as ca
 from streamrec.models import paged_attention as pa
 from streamrec.models import prefill_kernels as pfk
 from streamrec.models.aoti_export import ExportConfig, export_model
 from streamrec.models.aoti_runtime import AOTIModel, load_package
 from streamrec.models.checkpoint import load_checkpoint
-from streamrec.models.hstu import HSTU, HSTULayer
+from streamrec.models.hstu import HSTU
 from streamrec.pipeline.graphed_model import GraphConfig, GraphedModel
 from streamrec.pipeline.serving_model import ServingModel
 
@@ -78,103 +84,21 @@ def load_baseline(path: str) -> Any:
 
 
 def kernel_section(
-    quick: bool, ceil: dict[str, float], baseline: Any = None
+    quick: bool, ceil: dict[str, float], baseline: Any = None, prefill: bool = True
 ) -> list[dict[str, object]]:
-    """The fused kernels alone on one layer's pool, launch shapes swept, vs the torch path.
-
-    extend: 1 query per user (decode kernel); rank: 256 candidates per user (candidate
-    kernel). K/V bytes are one layer's cached K and V of every user; the first 512
-    queries are checked against the fp32 dense reference.
-    """
+    """The fused kernels alone on one layer's pool, launch shapes swept, vs the previous
+    kernels (``bench/attention_sweep.py``): extend with 1, 4, 16 new tokens per user
+    (decode kernel, % of copy bandwidth) and rank with 256 candidates per user
+    (candidate kernel, TFLOP/s), each checked against the fp32 dense reference."""
     rows: list[dict[str, object]] = []
-    model = build_model(HSTU_8L)
-    layer = model.layers[0]
-    assert isinstance(layer, HSTULayer)
-    cfg = model.config
-    hd = cfg.num_heads * cfg.head_dim
-    edges: torch.Tensor = model.time_edges  # type: ignore[assignment]
+    model = sweep_model()
     for batch in [16] if quick else [1, 8, 64]:
-        data = Batch(model, batch, SPEEDUP_HISTORY_LEN, HSTU_8L.num_candidates, seed=1)
-        kv_bytes = int(data.lens.sum()) * hd * 2 * 2  # K and V of one layer, bf16
-        k_cache, v_cache = data.cache.kv[0, 0], data.cache.kv[0, 1]
-        tail = (data.cache.ts, data.tables, data.lens, layer.pos_bias, layer.time_bias, edges)
-        for kind, per_user in (("extend", 1), ("rank", HSTU_8L.num_candidates)):
-            g = batch * per_user
-            q = torch.randn(g, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
-            users = torch.arange(batch, device="cuda").repeat_interleave(per_user)
-            pos, ts = data.lens[users], data.ts[users]
-            sub = min(g, 512)
-            ref = pa.paged_silu_attention_reference(
-                q[:sub].float(), pos[:sub], ts[:sub], users[:sub], k_cache.float(),
-                v_cache.float(), *tail[:2], tail[2], tail[3].float(), tail[4].float(), tail[5],
-                cfg.max_seq_len,
-            )  # fmt: skip
-            variants: list[tuple[Any, ...]]
-            if kind == "extend":  # (block_n, warps, target programs, fast SiLU, on tensor
-                # cores (a 16-row tile per token), their stages)
-                variants = [
-                    (bn, w, tp, True, False, 3)
-                    for bn, w in ((16, 2), (32, 2), (64, 2), (64, 4)) for tp in (1024, 4096)
-                ]  # fmt: skip
-                variants += [(64, 2, 1024, False, False, 3)]  # exact SiLU
-                variants += [(bn, 4, 1024, True, True, st) for bn in (32, 64) for st in (2, 4)]
-            else:  # (block_m, block_n, warps, stages, target programs, fast SiLU)
-                variants = [
-                    (64, 32, 4, 2, 1024, False), (64, 32, 4, 2, 256, True),
-                    (128, 32, 8, 2, 256, True), (128, 32, 8, 3, 256, True),
-                    (128, 16, 8, 2, 256, True), (128, 64, 8, 2, 256, True),
-                    (128, 32, 8, 2, 128, True), (128, 32, 8, 2, 1024, True),
-                ]  # fmt: skip
-            if baseline is not None:  # the previous kernels, same inputs, same run
-                variants.insert(0, ("baseline",))
-            for var in variants:
-                if var == ("baseline",):
-                    assert baseline is not None
-                    launch = (
-                        baseline.launch_decode if kind == "extend" else baseline.launch_candidates
-                    )
-                    qb = q if kind == "extend" else q.view(batch, per_user, *q.shape[1:])
-                    args = (qb, pos, ts, users) if kind == "extend" else (qb, data.lens, data.ts)
-                    call = partial(launch, *args, k_cache, v_cache, *tail, cfg.max_seq_len)
-                elif kind == "extend":
-                    call = partial(
-                        pa.launch_decode, q, pos, ts, users, k_cache, v_cache, *tail,
-                        cfg.max_seq_len, var[0], var[1],
-                    )  # fmt: skip
-                else:
-                    qc = q.view(batch, per_user, cfg.num_heads, cfg.head_dim)
-                    call = partial(
-                        pa.launch_candidates, qc, data.lens, data.ts, k_cache, v_cache, *tail,
-                        cfg.max_seq_len, *var,
-                    )  # fmt: skip
-                try:
-                    got = call().reshape(g, cfg.num_heads, cfg.head_dim)
-                    # Graph replay: device time only (a Python launch costs ~0.5 ms here).
-                    ms = pct(time_ms(graphed(call), 20), 50)
-                except Exception as exc:  # a launch shape that does not fit (registers, smem)
-                    print(f"kernel {kind} {var}: {type(exc).__name__}: {exc}"[:300])
-                    torch.cuda.synchronize()
-                    continue
-                err = float((got[:sub].float() - ref).norm() / ref.norm())
-                flops = 4.0 * g * SPEEDUP_HISTORY_LEN * hd
-                rows.append({
-                    "section": "kernel", "op": kind, "batch": batch, "impl": "triton",
-                    "launch": "x".join(map(str, var)), "ms": round(ms, 4),
-                    "kv_gb_s": round(kv_bytes / ms / 1e6, 1),
-                    "kv_pct_copy": round(100 * kv_bytes / ms / 1e6 / ceil["copy_gb_s"], 1),
-                    "tflop_s": round(flops / ms / 1e9, 1), "rel_err_vs_fp32": round(err, 5),
-                })  # fmt: skip
-        del data
-        torch.cuda.empty_cache()
-    best: dict[tuple[str, int], dict[str, object]] = {}
-    for row in rows:
-        key = (str(row["op"]), int(row["batch"]))  # type: ignore[call-overload]
-        if key not in best or float(row["ms"]) < float(best[key]["ms"]):  # type: ignore[arg-type]
-            best[key] = row
-    for (op, bsz), row in sorted(best.items()):
-        print(f"best {op} batch {bsz}: {row['launch']} {row['ms']} ms "
-              f"({row['kv_pct_copy']}% of copy bandwidth)")  # fmt: skip
-    return rows + prefill_sweep(quick, 20)  # op = prefill / prefill-candidates rows
+        rows += sweep_batch(model, batch, ceil, baseline, quick)
+    for line in sweep_summary(rows):
+        print(line)
+    if prefill:  # op = prefill / prefill-candidates rows ("attention": extend/rank only)
+        rows += prefill_sweep(quick, 20)
+    return rows
 
 
 def step_flops_bytes(w: Workload, batch: int, history: int) -> tuple[float, float]:
@@ -501,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--sections", nargs="+", default=["kernel", "speedup", "hitrate"],
-        choices=["kernel", "prefill", "speedup", "hitrate", "aoti", "profile"],
+        choices=["kernel", "attention", "prefill", "speedup", "hitrate", "aoti", "profile"],
     )  # fmt: skip
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCH_SIZES))
     parser.add_argument(
@@ -539,10 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w for w in (HSTU_3L, HSTU_8L) if w.name in args.workloads]
     for section in args.sections:
         start = time.perf_counter()
-        if section == "kernel":
+        if section in ("kernel", "attention"):
             with torch.no_grad():
                 base = load_baseline(args.baseline_kernels) if args.baseline_kernels else None
-                rows += kernel_section(args.quick, ceil, base)
+                rows += kernel_section(args.quick, ceil, base, prefill=section == "kernel")
         elif section == "speedup":
             rows += speedup_section(
                 workloads, args.batches, args.iters, not args.no_compile, ceil,
@@ -559,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rows += aoti_section(args.batches, args.iters, args.aoti_cache_dir)
         print(f"section {section}: {time.perf_counter() - start:.0f} s", flush=True)
-        own = "kernel" if section == "prefill" else section
+        own = "kernel" if section in ("prefill", "attention") else section
         print_table([r for r in rows if r["section"] == own])
     meta: dict[str, object] = {
         "device": torch.cuda.get_device_name(),
@@ -569,15 +493,14 @@ def main(argv: list[str] | None = None) -> int:
         "ceilings": ceil,
         "history": SPEEDUP_HISTORY_LEN,
         "launch": {
-            "decode": (pa.DECODE_BLOCK_N, pa.DECODE_WARPS),
+            "decode": (pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.TARGET_PROGRAMS, pa.DECODE_ACC2D),
             "candidates": (
-                pa.CAND_BLOCK_M,
-                pa.CAND_BLOCK_N,
-                pa.CAND_WARPS,
-                pa.CAND_STAGES,
+                ca.CAND_BLOCK_M,
+                ca.CAND_BLOCK_N,
+                ca.CAND_WARPS,
+                ca.CAND_STAGES,
+                ca.CAND_TARGET_PROGRAMS,
             ),
-            "target_programs": (pa.TARGET_PROGRAMS, pa.CAND_TARGET_PROGRAMS),
-            "decode_mma": (pa.DECODE_MMA, pa.DECODE_MMA_STAGES),
             "prefill": pfk.PREFILL_LAUNCHES[0],
             "prefill_candidates": (*pfk.CAND_LAUNCH, pfk.CAND_TARGET_PROGRAMS),
         },

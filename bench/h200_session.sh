@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|speedup|rest|prefill|aoti|host13|worker13|demo|demo-aoti|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|demo|demo-aoti|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -20,7 +20,18 @@ for stage in "$@"; do
     kernel)
       base=""; [ -f .carry/old_paged_attention.py ] && base="--baseline-kernels .carry/old_paged_attention.py"
       python3 -m bench.h200_bench --sections kernel $base --out "$OUT" 2>&1 | tail -80
-      cp "$OUT/h200.json" "$OUT/h200_kernel.json" ;;
+      cp "$OUT/h200.json" "$OUT/h200_kernel.json"
+      cp "$OUT/h200.json" "$OUT/h200_kernel_sweep.json" ;;
+    decode)  # issues 13/14: gpu tests of tests/models (less the AOTI compile: stage tests has
+      # it), attention kernel sweep (before/after), the peer side by side
+      python3 -m pytest -q -s -m gpu tests/models -k "not equal_eager_on_cuda" -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_tests_models.log" | grep -E "rel err|bf16|passed|failed|Error" | tail -30
+      base=""; [ -f .carry/old_paged_attention.py ] && base="--baseline-kernels .carry/old_paged_attention.py"
+      python3 -m bench.h200_bench --sections attention $base --out "$OUT" 2>&1 \
+        | tee "$OUT/attention_sweep.log" | grep -E "^best|step_1layer|^kernel |^layer|^ceilings|^section|^wrote|Error" | tail -60
+      cp "$OUT/h200.json" "$OUT/h200_attention_sweep.json"
+      cp "$OUT/h200.json" bench/results/h200_attention_sweep.json
+      python3 -m bench.peer_attention --out "$OUT" 2>&1 | tail -16 ;;
     ncu)  # Nsight Compute counters of one launch of each fused kernel (batch 64)
       for op in rank extend; do
         ncu --set full -k regex:"_candidate_kernel|_decode" -c 1 \
@@ -116,6 +127,10 @@ for stage in "$@"; do
         --batches 1 8 64 --iters 20 --no-compile --out "$OUT/aoti" 2>&1 | grep -v "^W[0-9]" | tail -32
       cp "$OUT/aoti/h200.json" "$OUT/h200_aoti_speedup.json" 2>/dev/null
       python3 -m bench.startup_bench --workload HSTU-8L --out "$OUT" 2>&1 | tail -8 ;;
+    retrieval)  # fused retrieval top-k: its gpu tests, then mm + topk vs fused (issue 14.4)
+      python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider 2>&1 \
+        | tee "$OUT/retrieval_tests.log" | grep -E "B=|aoti|passed|failed|Error" | tail -20
+      python3 -m bench.retrieval_bench --out "$OUT" 2>&1 | tail -25 ;;
     demo)  # issue 17: the demo on the GPU (eager + CUDA graphs), closing table in demo_eager.txt
       python3 -m streamrec.tools.cli demo --synthetic 2>&1 | tee "$OUT/demo_eager.txt" | tail -22 ;;
     demo-aoti)  # issue 17 item 11: the demo's model exported, then served with require_aoti

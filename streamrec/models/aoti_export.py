@@ -70,8 +70,11 @@ MODEL_CODE = (
     "streamrec.models.hstu",
     "streamrec.models.attention",
     "streamrec.models.paged_attention",
+    "streamrec.models.candidate_attention",
+    "streamrec.models.fused_layer",
     "streamrec.models.prefill_attention",
     "streamrec.models.prefill_kernels",
+    "streamrec.models.retrieval",
     "streamrec.models.config",
     "streamrec.schemas.events",
 )

@@ -171,6 +171,8 @@ class GraphedModel:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_tokens, num_users = items.shape[0], offsets.shape[0] - 1
         bucket = self._bucket(max(num_tokens, num_users))  # users without new tokens too
+        if bucket == num_users and num_tokens < num_users:
+            bucket = self._bucket(num_users + 1)  # a padding user must own the padding tokens
         if bucket is None or not self._fits(kv_pool, ts_pool, block_tables):
             self.stats.eager_calls += 1
             return self.model.extend(
@@ -192,9 +194,12 @@ class GraphedModel:
             static[:num_tokens].copy_(real)
             static[num_tokens:].zero_()  # padding tokens see only themselves: any value
         s_offsets[: num_users + 1].copy_(offsets)
-        # padding user j (rows B..bucket-1) owns token T + j while padding tokens last
+        # padding user j (rows B..bucket-1) owns token T + j while padding tokens last, the
+        # last one whatever is left: every token belongs to a user (the kernels and the
+        # per-user new-token attention index by user), none to a real one
         tail = torch.arange(1, bucket - num_users + 1, device=self._device).clamp(max=pad)
         s_offsets[num_users + 1 :].copy_(num_tokens + tail)
+        s_offsets[-1] = bucket
         s_tables[:num_users, : block_tables.shape[1]].copy_(block_tables)
         s_lens[:num_users].copy_(cached_lens)
         s_lens[num_users:].zero_()

@@ -29,7 +29,6 @@ from streamrec.models import prefill_attention as pfa
 from streamrec.models import prefill_kernels as pfk
 from streamrec.models.attention import (
     relative_bias,
-    self_attention_term,
     silu_attention,
     time_bucket_edges,
 )
@@ -206,12 +205,11 @@ def test_candidate_reference_is_the_model_rank_attention() -> None:
     slots = [s for b, n in enumerate(lens) for s in cache.slots(b, n)]
     cache.write(slots, case.k.unsqueeze(0), case.v.unsqueeze(0), case.ts)
     tables, cached = cache.batch_tables()
-    with torch.no_grad():
-        hist = model._candidate_attention(
-            0, case.qc, case.query_ts, cache.kv, cache.ts, tables, cached
+    with torch.no_grad():  # rank's attention includes each candidate's own key
+        want = model._candidate_attention(
+            0, case.qc, case.kc, case.vc, case.query_ts, cache.kv, cache.ts, tables, cached
         )
-        own = self_attention_term(case.qc, case.kc, case.vc, model.layers[0].bias0(), case.divisor)
-    assert rel_err(case.cand_reference(), hist + own) < 1e-6
+    assert rel_err(case.cand_reference(), want) < 1e-6
 
 
 def test_time_cells_exact() -> None:
