@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|fp8|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|demo|demo-aoti|fp8|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -22,9 +22,10 @@ for stage in "$@"; do
       python3 -m bench.h200_bench --sections kernel $base --out "$OUT" 2>&1 | tail -80
       cp "$OUT/h200.json" "$OUT/h200_kernel.json"
       cp "$OUT/h200.json" "$OUT/h200_kernel_sweep.json" ;;
-    decode)  # issues 13/14: gpu tests of tests/models (less the AOTI compile: stage tests has
-      # it), attention kernel sweep (before/after), the peer side by side
-      python3 -m pytest -q -s -m gpu tests/models -k "not equal_eager_on_cuda" -p no:cacheprovider 2>&1 \
+    decode)  # issues 13/14: gpu tests of tests/models (less the two AOTI package compiles,
+      # minutes each: stage tests has them), attention kernel sweep (before/after), the peer
+      python3 -m pytest -q -s -m gpu tests/models -k "not equal_eager_on_cuda and not aoti_package" \
+        -p no:cacheprovider 2>&1 \
         | tee "$OUT/gpu_tests_models.log" | grep -E "rel err|bf16|passed|failed|Error" | tail -30
       base=""; [ -f .carry/old_paged_attention.py ] && base="--baseline-kernels .carry/old_paged_attention.py"
       python3 -m bench.h200_bench --sections attention $base --out "$OUT" 2>&1 \
@@ -131,6 +132,16 @@ for stage in "$@"; do
       python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider 2>&1 \
         | tee "$OUT/retrieval_tests.log" | grep -E "B=|aoti|passed|failed|Error" | tail -20
       python3 -m bench.retrieval_bench --out "$OUT" 2>&1 | tail -25 ;;
+    demo)  # issue 17: the demo on the GPU (eager + CUDA graphs), closing table in demo_eager.txt
+      python3 -m streamrec.tools.cli demo --synthetic 2>&1 | tee "$OUT/demo_eager.txt" | tail -22 ;;
+    demo-aoti)  # issue 17 item 11: the demo's model exported, then served with require_aoti
+      model=$(ls -d .streamrec-cache/demo/synthetic-*/ 2>/dev/null | grep -v partial | head -1)
+      [ -n "$model" ] || python3 -m streamrec.tools.cli demo --synthetic --num-events 200 \
+        --unpaced-events 0 > /dev/null 2>&1
+      model=$(ls -d .streamrec-cache/demo/synthetic-*/ | grep -v partial | head -1)
+      python3 -m streamrec.tools.cli export --model "$model" --device cuda 2>&1 | tail -4
+      STREAMREC_MODEL__REQUIRE_AOTI=true python3 -m streamrec.tools.cli demo --synthetic 2>&1 \
+        | tee "$OUT/demo_aoti.txt" | tail -22 ;;
     fp8)  # issue 18: FP8 gpu tests (kernels, exactness, _scaled_mm, host tier), then the
       # bf16-vs-FP8 bench (capacity, decode/rank kernels at batch 64/256, whole step)
       python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_fp8_attention.py \

@@ -60,14 +60,11 @@ import numpy.typing as npt
 import torch
 
 from bench._report import RESULTS_DIR, print_table, write_results
-from bench.aoti_packages import CACHE_DIR as AOTI_CACHE_DIR
-from bench.aoti_packages import reference_model_dir
 from bench.engine_bench import SMALL, WORKLOADS, _model, _preload
 from bench.null_model import NULL_GEOMETRY, null_checkpoint_parts
 from bench.reference_config import ReferenceWorkload
 from streamrec.cache.kv_cache import KVCacheConfig, free_memory_bytes
 from streamrec.errors import BrokerError, ConfigError
-from streamrec.models.aoti_export import ENTRY_POINTS, ExportConfig, export_model
 from streamrec.models.checkpoint import Checkpoint, load_checkpoint
 from streamrec.models.paged_attention import triton_available
 from streamrec.schemas.codec import encode_event
@@ -430,6 +427,10 @@ def loaded_model(
 
 
 def aoti_loaded_model(w: ReferenceWorkload, device: str) -> LoadedModel:
+    # (imported here: the "before" tree this bench also drives has none of them)
+    from bench.aoti_packages import CACHE_DIR as AOTI_CACHE_DIR
+    from bench.aoti_packages import reference_model_dir
+    from streamrec.models.aoti_export import ENTRY_POINTS, ExportConfig, export_model
     from streamrec.pipeline.scoring_config import ScoringConfig
 
     model_dir = reference_model_dir(w)

@@ -17,13 +17,18 @@ import torch
 import torch.nn.functional as F
 
 
+def time_bucket_edge_values(num_buckets: int, width: float) -> list[int]:
+    """``time_bucket_edges`` as plain ints (no tensor: safe to inspect while tracing)."""
+    return [math.ceil(1000.0 * math.expm1(b * width)) for b in range(1, num_buckets)]
+
+
 def time_bucket_edges(num_buckets: int, width: float) -> torch.Tensor:
     """Bucket edges in integer milliseconds: bucket b holds log1p(|dt| s) in [b·w, (b+1)·w).
 
     Integer edges make the bucket of a given ``|dt|`` exact on every device and in every
     code path, so two paths that see the same timestamps get the same bias bit for bit.
     """
-    edges = [math.ceil(1000.0 * math.expm1(b * width)) for b in range(1, num_buckets)]
+    edges = time_bucket_edge_values(num_buckets, width)
     return torch.tensor(edges, dtype=torch.int64)  # [num_buckets - 1]
 
 

@@ -112,7 +112,7 @@ class HSTU(nn.Module):
     """Item + action embeddings, HSTU layers, final LayerNorm, multi-task heads."""
 
     def __init__(
-        self, config: HSTUConfig, attention_backend: str = "auto", fused_layers: bool = True
+        self, config: HSTUConfig, attention_backend: str = "auto", fused_layers: bool = False
     ) -> None:
         super().__init__()
         self.config = config
@@ -123,7 +123,9 @@ class HSTU(nn.Module):
         self.kv_quant: KVScales | None = None
         self.retrieval_table = NormalizedTable()  # retrieve's normalised item rows
         # extend/rank: LayerNorm + GEMM + SiLU and the output tail as one kernel each
-        # (streamrec/models/fused_layer.py) where that can run; never with "torch".
+        # (streamrec/models/fused_layer.py) where that can run; never with "torch". Off
+        # by default: on the H200 the fused halves were slower than LayerNorm + cuBLAS
+        # (1-layer rank step at batch 64: 0.696 vs 0.596 ms; BENCHMARKS.md, issue 14).
         self.fused_layers = fused_layers
         self.item_emb = nn.Embedding(config.num_items, config.d_model, padding_idx=0)
         self.action_emb = nn.Embedding(config.num_actions, config.d_model)
@@ -268,7 +270,10 @@ class HSTU(nn.Module):
             dt = (ts.unsqueeze(1) - ts.unsqueeze(0)).unsqueeze(0)  # [1, T, T]
             mask = (users.unsqueeze(1) == users.unsqueeze(0)) & (rel[0] >= 0)  # [T, T]
             return NewTokenGeometry(None, rel, dt, mask.unsqueeze(0))
-        width = max(1, int(offsets.diff().max()))  # one host sync (eager only)
+        # Row width from the tokens themselves (one host sync, eager only): a caller that
+        # pads the batch (GraphedModel) leaves tokens past offsets[-1], which
+        # _token_users gives to the last user, beyond its offsets length.
+        width = int(slot.max()) + 1 if slot.numel() else 1
         grid = users * width + slot  # [T]
         ts_grid = ts.new_zeros(num_users * width).index_put((grid,), ts)
         valid = torch.zeros(num_users * width, dtype=torch.bool, device=ts.device)

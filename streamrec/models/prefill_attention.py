@@ -29,7 +29,7 @@ from streamrec.models.attention import (
     relative_bias,
     self_attention_term,
     silu_attention,
-    time_bucket_edges,
+    time_bucket_edge_values,
 )
 from streamrec.models.fp8 import check_kv_scale, dequantize
 from streamrec.models.paged_attention import fused_attention_enabled
@@ -51,8 +51,10 @@ MAX_EDGE_MS = 2**52
 
 def time_cells_exact(num_buckets: int, width: float) -> bool:
     """Whether the cell table of the kernels reproduces ``bucketize`` for these edges:
-    every quarter-octave cell holds at most one edge (true for widths >= ln 1.25)."""
-    edges = time_bucket_edges(num_buckets, width).tolist()
+    every quarter-octave cell holds at most one edge (true for widths >= ln 1.25).
+    Plain ints, no tensor: it runs while ``torch.export`` traces prefill, where a
+    tensor's ``tolist`` is a data-dependent guard (seen failing on the H200)."""
+    edges = time_bucket_edge_values(num_buckets, width)
     if not edges:
         return True
     if edges[0] < 1 or edges[-1] >= MAX_EDGE_MS:

@@ -88,6 +88,7 @@ class GraphConfig:
     num_candidates: int  # C of every rank capture
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     capture: bool = True  # False: pad and run eagerly (the CPU tests of the padding)
+    exclude_width: int = 16  # retrieve: the widest exclusion list a capture takes
 
     def __post_init__(self) -> None:
         if self.max_blocks < 1 or self.num_candidates < 1:
@@ -143,6 +144,8 @@ class GraphedModel:
         self._device = kv_pool.device
         self._extend: dict[int, _Graph] = {}
         self._rank: dict[int, _Graph] = {}
+        self._retrieve: dict[int, _Graph] = {}
+        self._retrieve_shape: tuple[int, int, torch.dtype] | None = None  # k, D, dtype
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.stats = GraphStats()
 
@@ -156,7 +159,30 @@ class GraphedModel:
     def retrieve(
         self, user_emb: torch.Tensor, k: int, exclude: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.retrieve(user_emb, k, exclude)
+        """Bucketed on the user count like rank: padding users have zero embeddings and
+        exclude nothing; their rows are dropped. The fused top-k compiles a kernel per
+        tile shape, and a capture (at start, ``warm_up``) pays that once."""
+        num_users, width = user_emb.shape[0], exclude.shape[1]
+        bucket = self._bucket(num_users)
+        shape = (k, user_emb.shape[1], user_emb.dtype)
+        if (
+            bucket is None
+            or width > self.config.exclude_width
+            or (self._retrieve_shape is not None and shape != self._retrieve_shape)
+        ):
+            self.stats.eager_calls += 1
+            return self.model.retrieve(user_emb, k, exclude)
+        entry = self._retrieve.get(bucket) or self._capture_retrieve(bucket, *shape)
+        if entry.failed:
+            self.stats.eager_calls += 1
+            return self.model.retrieve(user_emb, k, exclude)
+        s_emb, s_exclude = entry.inputs
+        s_emb[:num_users].copy_(user_emb)
+        s_emb[num_users:].zero_()
+        s_exclude.fill_(-1)
+        s_exclude[:num_users, :width].copy_(exclude)
+        scores, items = self._run(entry, f"retrieve/{bucket}")
+        return scores[:num_users].clone(), items[:num_users].clone()
 
     def extend(
         self,
@@ -248,16 +274,25 @@ class GraphedModel:
     # ------------------------------------------------------------------ graphs
 
     def warm_up(
-        self, extend: Sequence[int] | None = None, rank: Sequence[int] | None = None
+        self,
+        extend: Sequence[int] | None = None,
+        rank: Sequence[int] | None = None,
+        retrieve: tuple[Sequence[int], int, int, torch.dtype] | None = None,
     ) -> None:
         """Capture these buckets now (start-up) instead of on the first call of each;
-        ``None`` means every configured bucket."""
+        ``None`` means every configured bucket (retrieve: none unless given as
+        ``(buckets, k, D, dtype)``)."""
         for bucket in self.config.buckets if extend is None else extend:
             if bucket not in self._extend:
                 self._capture_extend(bucket)
         for bucket in self.config.buckets if rank is None else rank:
             if bucket not in self._rank:
                 self._capture_rank(bucket)
+        if retrieve is not None:
+            buckets, k, dim, dtype = retrieve
+            for bucket in buckets:
+                if bucket not in self._retrieve:
+                    self._capture_retrieve(bucket, k, dim, dtype)
 
     def _bucket(self, n: int) -> int | None:
         for bucket in self.config.buckets:
@@ -295,6 +330,21 @@ class GraphedModel:
 
         entry = self._capture(call, inputs, f"extend/{bucket}")
         self._extend[bucket] = entry
+        return entry
+
+    def _capture_retrieve(self, bucket: int, k: int, dim: int, dtype: torch.dtype) -> _Graph:
+        self._retrieve_shape = (k, dim, dtype)
+        emb = torch.zeros(bucket, dim, dtype=dtype, device=self._device)  # [B, D]
+        exclude = torch.full(
+            (bucket, self.config.exclude_width), -1, dtype=torch.int64, device=self._device
+        )  # [B, E]
+        inputs = (emb, exclude)
+
+        def call() -> tuple[torch.Tensor, ...]:
+            return self._captured.retrieve(emb, k, exclude)
+
+        entry = self._capture(call, inputs, f"retrieve/{bucket}")
+        self._retrieve[bucket] = entry
         return entry
 
     def _capture_rank(self, bucket: int) -> _Graph:
@@ -367,6 +417,7 @@ def capture_serving_graphs(
     max_tokens: int,
     max_users: int,
     num_candidates: int,
+    retrieve: tuple[int, int, torch.dtype] | None = None,
 ) -> GraphedModel:
     """``model`` with extend and rank captured now, so no step pays for a capture.
 
@@ -382,7 +433,10 @@ def capture_serving_graphs(
         buckets=buckets,
     )
     graphed = GraphedModel(model, cache.kv, cache.ts, config)
-    graphed.warm_up(extend=buckets, rank=rank)
+    users = [b for b in buckets if b < 2 * max_users]
+    graphed.warm_up(
+        extend=buckets, rank=rank, retrieve=None if retrieve is None else (users, *retrieve)
+    )
     log.info(
         "CUDA graphs captured",
         extra={"graphs": graphed.stats.captures, "seconds": round(graphed.stats.capture_s, 1)},

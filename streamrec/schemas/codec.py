@@ -36,6 +36,7 @@ from streamrec.schemas.validation import (
     MAX_PLAYBACK_MS,
     MAX_TS_MS,
     ErrorKind,
+    check_key,
     optional_map,
     require_int,
     require_map,
@@ -233,10 +234,14 @@ def decode_batch(
     records: Iterable[ConsumedRecord],
     kind: EventKind,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    *,
+    require_key: bool = True,
 ) -> DecodedBatch:
     """Decode records of one event kind; never raises because of a record's content.
 
-    Only a wrong ``kind`` or a non-positive ``max_record_bytes`` raise (ConfigError).
+    With ``require_key`` (the worker's case) a record whose key is absent or not its
+    event's ``user_id`` is rejected too (``missing_key``, ``key_mismatch``). Only a wrong
+    ``kind`` or a non-positive ``max_record_bytes`` raise (ConfigError).
     """
     quick, strict = _builder_for(kind, max_record_bytes)
     msgpack_format = WireFormat.MSGPACK
@@ -277,6 +282,8 @@ def decode_batch(
             event = quick(obj)
             if event is None:
                 event = strict(obj)  # raises SchemaError naming the field and the value
+            if require_key and record.key != event.user_id.encode():
+                check_key(record.key, event.user_id)  # raises, naming key and user_id
             append_event(DecodedEvent(event, record.topic, record.partition, record.offset))
         except SchemaError as exc:
             error_kind = exc.kind if isinstance(exc.kind, ErrorKind) else ErrorKind.UNDECODABLE
@@ -293,9 +300,11 @@ def decode_event(
     fmt: WireFormat | None = None,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Event:
-    """Decode one record value (format sniffed unless given); raises SchemaError."""
+    """Decode one record value (format sniffed unless given; no key to check); raises
+    SchemaError."""
     headers: Headers = () if fmt is None else ((CONTENT_TYPE_HEADER, fmt.content_type.encode()),)
-    batch = decode_batch([RawRecord(data, headers, "", 0, -1)], kind, max_record_bytes)
+    record = RawRecord(data, headers, "", 0, -1)
+    batch = decode_batch([record], kind, max_record_bytes, require_key=False)
     if batch.errors:
         raise SchemaError(batch.errors[0].kind, batch.errors[0].reason)
     return batch.events[0].event

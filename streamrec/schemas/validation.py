@@ -26,12 +26,27 @@ class ErrorKind(enum.StrEnum):
     OUT_OF_RANGE = "out_of_range"  # negative, too large, empty or too long
     OVERSIZED = "oversized"  # the record exceeds the configured byte bound
     UNKNOWN_ACTION = "unknown_action"  # interaction action outside the vocabulary
+    MISSING_KEY = "missing_key"  # the Kafka record has no key (it must be the user_id)
+    KEY_MISMATCH = "key_mismatch"  # the key is not the event's user_id
 
 
 MAX_ID_LEN: Final = 256  # characters of a user or item id
 MAX_TS_MS: Final = 7_258_118_400_000  # 2200-01-01T00:00:00Z; anything later is a unit bug
 MAX_PLAYBACK_MS: Final = 2**31 - 1  # ~24.8 days of playback / duration
 MAX_SHOWN_CHARS: Final = 64  # how much of an offending value an error message quotes
+
+
+def check_key(key: bytes | None, user_id: str) -> None:
+    """A record's Kafka key must be its event's ``user_id`` (UTF-8): co-partitioning puts
+    one user's events, cache and history on one worker only if every producer keys so."""
+    if key is None:
+        raise SchemaError(
+            ErrorKind.MISSING_KEY, f"record has no key; expected the user_id {show(user_id)}"
+        )
+    if key != user_id.encode():
+        raise SchemaError(
+            ErrorKind.KEY_MISMATCH, f"record key {show(key)} is not the user_id {show(user_id)}"
+        )
 
 
 def show(value: object) -> str:

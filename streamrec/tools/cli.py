@@ -1,8 +1,13 @@
 """The ``streamrec`` command line.
 
 Each subcommand is one handler taking the parsed namespace and returning an exit status.
-Exit statuses: 0 success, 1 failure (bad input lines, unreachable broker, bad config,
-a failed export), 2 usage errors.
+Exit statuses: 0 success, 1 failure (a user mistake or an unreachable dependency: one line
+on stderr that names the value, never a traceback), 2 usage errors (argparse).
+
+Start-up is kept cheap: this module imports neither torch nor aiokafka, and a
+subcommand's arguments are added only when that subcommand is the one being parsed (some
+take their defaults from torch-importing modules), so ``streamrec --help`` and the
+Kafka-only commands do not pay for torch.
 """
 
 from __future__ import annotations
@@ -13,15 +18,23 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from streamrec import __version__
 from streamrec.errors import ConfigError, StreamrecError
-from streamrec.offline.training import TrainConfig
-from streamrec.tools.export_command import add_export_arguments, run_export
-from streamrec.worker.config import ENV_CONFIG_FILE, WorkerConfig, config_fields, load_config
-from streamrec.worker.model_loader import export_config_for
+from streamrec.tools.config_flags import (
+    CLIENT_FLAGS,
+    WORKER_FLAGS,
+    DeprecatedAlias,
+    HelpFormatter,
+    add_config_flags,
+    check_device,
+    config_overrides,
+    effective_config,
+)
+from streamrec.worker.config import DEVICES, HttpConfig, config_fields
 
 EXIT_OK: Final = 0
 EXIT_FAILURE: Final = 1
@@ -42,106 +55,116 @@ BENCHMARKS: Final = {
     "cpu-vs-naive": "bench.cpu_worker_vs_naive",
 }
 
-# Named flags -> config keys (everything else: --set section.field=value).
-_FLAG_KEYS: Final = {
-    "bootstrap_servers": "kafka.bootstrap_servers",
-    "group_id": "group.group_id",
-    "output_topic": "topics.output",
-    "dlq_topic": "topics.dead_letter",
-    "model": "model.model_dir",
-    "store": "store.url",
-    "http_port": "http.port",
-    "log_format": "log.format",
-    "log_level": "log.level",
-}
+__all__ = ["build_parser", "config_overrides", "effective_config", "main", "render_toml"]
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, *, worker: bool) -> None:
-    """The flags that override the config file and the environment."""
-    group = parser.add_argument_group("configuration (flags beat STREAMREC_* env beat file)")
-    group.add_argument(
-        "--config",
-        type=Path,
-        metavar="FILE",
-        help=f"TOML config file (default: ${ENV_CONFIG_FILE})",
-    )
-    group.add_argument("--bootstrap-servers", metavar="HOST:PORT[,...]")
-    if worker:
-        group.add_argument("--group-id")
-        group.add_argument(
-            "--input-topics", metavar="PLAYBACK,INTERACTION", help="the two input topics"
-        )
-        group.add_argument("--output-topic")
-        group.add_argument("--dlq-topic")
-        group.add_argument("--model", metavar="DIR", help="model directory")
-        group.add_argument("--store", metavar="URL", help="history store: memory:// or redis://")
-        group.add_argument("--http-port", metavar="PORT")
-        group.add_argument(
-            "--require-aoti",
-            action="store_true",
-            default=None,
-            help="fail instead of falling back to eager PyTorch",
-        )
-    group.add_argument("--log-format", choices=("auto", "json", "text"))
-    group.add_argument("--log-level", metavar="LEVEL")
-    group.add_argument(
-        "--set",
-        dest="settings",
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="set any config field (repeatable); see `streamrec config show`",
+# ---------------------------------------------------------------------- device flags
+
+
+def add_device_flag(parser: argparse.ArgumentParser) -> None:
+    """``--device`` of the offline commands, with the worker's values and default."""
+    parser.add_argument(
+        "--device",
+        default="auto",
+        metavar="{" + ",".join(DEVICES) + "}",
+        help="auto = CUDA if available, else CPU",
     )
 
 
-def config_overrides(args: argparse.Namespace) -> dict[str, str]:
-    """The config overrides that the parsed flags ask for (dotted key -> text)."""
-    overrides: dict[str, str] = {}
-    for setting in getattr(args, "settings", []):
-        key, sep, value = setting.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {setting!r}: expected SECTION.FIELD=VALUE")
-        overrides[key.strip()] = value
-    for dest, key in _FLAG_KEYS.items():
-        value = getattr(args, dest, None)
-        if value is not None:
-            overrides[key] = str(value)
-    topics = getattr(args, "input_topics", None)
-    if topics is not None:
-        names = [name.strip() for name in topics.split(",")]
-        if len(names) != 2:
-            raise ConfigError(
-                f"--input-topics {topics!r}: expected two names, PLAYBACK,INTERACTION"
-            )
-        overrides["topics.playback"], overrides["topics.interaction"] = names
-    if getattr(args, "require_aoti", None):
-        overrides["model.require_aoti"] = "true"
-    return overrides
+def resolve_device(value: str, what: str = "--device") -> str:
+    """``auto`` -> what this machine has; ``cuda`` without CUDA is a one-line error."""
+    import torch
+
+    check_device(value, what)
+    if value == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if value == "cuda" and not torch.cuda.is_available():
+        build = "built without CUDA" if torch.version.cuda is None else "sees no GPU"
+        raise ConfigError(f"{what} {value!r}: no CUDA device (torch {torch.__version__} {build})")
+    return value
 
 
-def effective_config(args: argparse.Namespace) -> WorkerConfig:
-    return load_config(getattr(args, "config", None), overrides=config_overrides(args))
+def _on_device(handler: Handler) -> Handler:
+    """The handler with ``args.device`` checked and resolved first."""
+
+    def run(args: argparse.Namespace) -> int:
+        args.device = resolve_device(args.device)
+        return handler(args)
+
+    return run
+
+
+# ---------------------------------------------------------------------- handlers
+
+
+def _check_port_free(http: HttpConfig) -> None:
+    """A taken HTTP port is the user's mistake: say so before anything starts."""
+    from streamrec.tools.devbroker import free_port
+
+    if http.port == 0:
+        return
+    try:
+        free_port(http.host, http.port)
+    except StreamrecError:
+        raise ConfigError(
+            f"http.port = {http.port}: {http.host}:{http.port} is already in use "
+            "(pick another with --http-port, or 0 for any free port)"
+        ) from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The worker until SIGTERM/SIGINT (then drain, flush, commit, exit 0)."""
+    import signal
+
+    import uvloop
+
+    from streamrec.worker.logging_setup import configure_logging
+
+    config = effective_config(args)
+    configure_logging(config.log)
+    _check_port_free(config.http)  # before torch is even imported
+
+    from streamrec.worker.app import App
+
+    async def serve() -> int:
+        app = App(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, app.stop)
+        return await app.run()
+
+    try:
+        return uvloop.run(serve())
+    except OSError as exc:  # e.g. the HTTP port was taken between the check and the bind
+        raise ConfigError(f"http {config.http.host}:{config.http.port}: {exc.strerror}") from None
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from streamrec.tools.demo import run_demo_command
+
+    return run_demo_command(args)
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from streamrec.tools.broker_command import run_broker
+
+    return run_broker(effective_config(args), args.partitions)
+
+
+def _consume(args: argparse.Namespace) -> int:
+    from streamrec.tools.consume_command import run_consume
+
+    config = effective_config(args)
+    return run_consume(args, config.kafka, config.topics.output)
 
 
 def _export(args: argparse.Namespace) -> int:
     """``streamrec export``: flags beat the worker config, so the package the worker
-    looks for (model dir, cache dir, device, retrieve k, precision) is the one that gets
-    built."""
+    looks for (model dir, cache dir, device, retrieve k) is the one that gets built."""
+    from streamrec.tools.export_command import run_export
+
     config = effective_config(args)
-    model_cfg = config.model
-    if args.model_dir is None:
-        args.model_dir = model_cfg.model_dir
-    if args.cache_dir is None:
-        args.cache_dir = model_cfg.aoti_cache_dir
-    if args.device is None:
-        args.device = model_cfg.device
-    if args.retrieve_k is None:
-        args.retrieve_k = export_config_for(config.scoring).retrieve_k
-    if args.kv_dtype is None:
-        args.kv_dtype = config.cache.kv_dtype
-    if args.weight_dtype is None:
-        args.weight_dtype = config.model.weight_dtype
-    return run_export(args)
+    return run_export(args, config, resolve_device(config.model.device, "model.device ="))
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -210,7 +233,8 @@ def _produce(args: argparse.Namespace) -> int:
                 kind=kind,
                 kafka=config.kafka,
                 fmt=fmt,
-                key_field=args.key_field,
+                skip_invalid=args.skip_invalid,
+                dry_run=args.dry_run,
             )
         )
     finally:
@@ -218,52 +242,19 @@ def _produce(args: argparse.Namespace) -> int:
             stream.close()
     for error in stats.errors:
         print(f"streamrec produce: {error}", file=sys.stderr)
-    print(
-        f"streamrec produce: sent {stats.sent} to {args.topic!r} ({kind.value}, {fmt.name.lower()})"
-        f", {stats.invalid} invalid, {stats.blank} blank",
-        file=sys.stderr,
-    )
-    return EXIT_FAILURE if stats.invalid else EXIT_OK
-
-
-def _run(args: argparse.Namespace) -> int:
-    """The worker until SIGTERM/SIGINT (then drain, flush, commit, exit 0)."""
-    import signal
-
-    import uvloop
-
-    from streamrec.worker.app import App
-    from streamrec.worker.logging_setup import configure_logging
-
-    config = effective_config(args)
-    configure_logging(config.log)
-
-    async def serve() -> int:
-        app = App(config)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, app.stop)
-        return await app.run()
-
-    return uvloop.run(serve())
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from streamrec.tools.demo import DemoConfig, run_demo
-    from streamrec.worker.config import LogConfig
-    from streamrec.worker.logging_setup import configure_logging
-
-    configure_logging(LogConfig(format="text", level=args.log_level))
-    cfg = DemoConfig(
-        events=args.num_events,
-        rate=args.rate,
-        partitions=args.partitions,
-        model_dir=args.model,
-        events_file=args.events,
-        watch_users=args.watch,
-    )
-    asyncio.run(run_demo(cfg))
-    return EXIT_OK
+    what = f"to {args.topic!r} ({kind.value}, {fmt.name.lower()})"
+    counts = f"{stats.invalid} invalid, {stats.blank} blank"
+    if args.dry_run:
+        summary = f"dry run: {stats.valid} valid lines would be sent {what}, {counts}"
+    elif stats.invalid and not args.skip_invalid:
+        summary = (
+            f"sent 0 {what}: {counts}; nothing was sent (all or nothing: fix the lines, "
+            "or pass --skip-invalid to send the valid ones)"
+        )
+    else:
+        summary = f"sent {stats.sent} {what}, {counts}"
+    print(f"streamrec produce: {summary}", file=sys.stderr)
+    return EXIT_FAILURE if stats.invalid and not args.skip_invalid else EXIT_OK
 
 
 def _training_data(args: argparse.Namespace) -> Any:
@@ -275,7 +266,7 @@ def _training_data(args: argparse.Namespace) -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from streamrec.offline.training import train
+    from streamrec.offline.training import TrainConfig, train
 
     config = TrainConfig(
         epochs=args.epochs,
@@ -312,84 +303,196 @@ def _add_data_flags(parser: argparse.ArgumentParser) -> None:
         "--ratings", "--events", dest="events", type=Path, metavar="RATINGS_CSV",
         help="MovieLens-format ratings.csv (userId,movieId,rating,timestamp)",
     )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    add_device_flag(parser)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# ---------------------------------------------------------------------- subcommand arguments
+
+
+def _build_run(parser: argparse.ArgumentParser) -> None:
+    add_config_flags(parser, WORKER_FLAGS)
+    parser.set_defaults(handler=_run)
+
+
+def _build_demo(parser: argparse.ArgumentParser) -> None:
+    from streamrec.tools.demo_data import DEFAULT_MOVIELENS, DEMO_DEFAULTS, DemoConfig
+
+    parser.add_argument(
+        "--ratings",
+        type=Path,
+        metavar="RATINGS_CSV",
+        help=f"MovieLens-format ratings.csv; movies.csv beside it gives titles (default: "
+        f"{DEFAULT_MOVIELENS} if present, else synthetic data)",
+    )
+    parser.add_argument("--events", dest="ratings", type=Path, action=DeprecatedAlias,
+                        replacement="--ratings")  # fmt: skip
+    parser.add_argument(
+        "--synthetic", action="store_true", help="synthetic data even if MovieLens is present"
+    )
+    d = DemoConfig()
+    parser.add_argument(
+        "--num-events", type=int, default=d.paced_events, help="events replayed at --rate"
+    )
+    parser.add_argument(
+        "--unpaced-events", type=int, default=d.unpaced_events, help="then replayed unpaced"
+    )
+    parser.add_argument("--rate", type=float, default=d.rate, help="paced replay, events/s")
+    parser.add_argument("--users", type=int, default=d.users, help="users replayed")
+    parser.add_argument("--partitions", type=int, default=d.partitions, help="per topic")
+    parser.add_argument(
+        "--watch", type=int, default=d.watch_users, help="users whose updates are printed"
+    )
+    parser.add_argument("--retrain", action="store_true", help="ignore the cached demo model")
+    shown = {
+        "model.model_dir": "default: the demo model, trained once into .streamrec-cache/demo/",
+        "log.level": f"demo default: {DEMO_DEFAULTS['log.level']}",
+    }
+    add_config_flags(parser, ("--model", "--device", "--require-aoti", "--log-level"), shown)
+    parser.set_defaults(handler=_demo)
+
+
+def _build_train(parser: argparse.ArgumentParser) -> None:
+    from streamrec.offline.training import TrainConfig
+
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="model directory")
+    parser.add_argument("--epochs", type=int, default=TrainConfig.epochs, help="passes")
+    parser.add_argument(
+        "--max-seq-len", type=int, default=TrainConfig.max_seq_len, help="history window"
+    )
+    _add_data_flags(parser)
+    parser.set_defaults(handler=_on_device(_train))
+
+
+def _build_eval(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, required=True, metavar="DIR", help="model directory")
+    parser.add_argument("--model-dir", dest="model", type=Path, action=DeprecatedAlias,
+                        replacement="--model")  # fmt: skip
+    parser.add_argument("--k", type=int, default=10, help="cut-off of HR@k and NDCG@k")
+    parser.add_argument(
+        "--exclude-history", action="store_true", help="never rank a user's own past items"
+    )
+    _add_data_flags(parser)
+    parser.set_defaults(handler=_on_device(_eval))
+
+
+def _build_export(parser: argparse.ArgumentParser) -> None:
+    from streamrec.tools.export_command import add_export_arguments
+
+    add_config_flags(parser, ("--model", "--cache-dir", "--device", *CLIENT_FLAGS[1:]))
+    parser.add_argument("--model-dir", dest="model", action=DeprecatedAlias,
+                        replacement="--model")  # fmt: skip
+    add_export_arguments(parser)
+    parser.set_defaults(handler=_export)
+
+
+def _build_bench(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="its own flags")
+    parser.set_defaults(handler=_bench)
+
+
+def _build_config(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = actions.add_parser(
+        "show", help="print the effective configuration", formatter_class=HelpFormatter
+    )
+    add_config_flags(show, WORKER_FLAGS)
+    show.add_argument("--format", choices=("toml", "json"), default="toml", help="output")
+    show.add_argument("--show-secrets", action="store_true", help="do not mask passwords")
+    show.set_defaults(handler=_config_show)
+
+
+def _build_produce(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--topic", required=True, help="input topic to send to")
+    parser.add_argument("--file", type=Path, help="JSON-lines file (default: stdin)")
+    parser.add_argument(
+        "--format", choices=("msgpack", "json"), default="msgpack", help="wire format"
+    )
+    parser.add_argument(
+        "--kind",
+        choices=("playback", "interaction"),
+        help="event schema (default: by topic name from the config)",
+    )
+    parser.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="send the valid lines even if some are invalid (streams lines as they arrive)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="validate only, send nothing")
+    add_config_flags(parser, CLIENT_FLAGS)
+    parser.set_defaults(handler=_produce)
+
+
+def _build_broker(parser: argparse.ArgumentParser) -> None:
+    from streamrec.tools.broker_command import add_broker_arguments
+
+    add_broker_arguments(parser)
+    add_config_flags(parser, ("--bootstrap-servers",))
+    parser.set_defaults(handler=_broker)
+
+
+def _build_consume(parser: argparse.ArgumentParser) -> None:
+    from streamrec.tools.consume_command import add_consume_arguments
+
+    add_consume_arguments(parser)
+    add_config_flags(parser, CLIENT_FLAGS)
+    parser.set_defaults(handler=_consume)
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    build: Callable[[argparse.ArgumentParser], None]
+
+
+COMMANDS: Final = (
+    Command("run", "run the worker against a Kafka cluster", _build_run),
+    Command(
+        "demo", "dev broker + small model + replayed events, with a closing table", _build_demo
+    ),
+    Command(
+        "broker", "a local dev broker with the configured topics (Ctrl-C stops)", _build_broker
+    ),
+    Command("produce", "send JSON-lines events to a topic", _build_produce),
+    Command("consume", "print a topic's records as JSON lines", _build_consume),
+    Command("train", "train a model directory", _build_train),
+    Command("eval", "evaluate a model directory offline", _build_eval),
+    Command("export", "compile a model to an AOTInductor package", _build_export),
+    Command("bench", "run a benchmark of bench/ (source checkout)", _build_bench),
+    Command("config", "inspect the configuration", _build_config),
+)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (``command`` given) one whose other subcommands have no
+    arguments yet: what ``main`` uses so that parsing never imports more than needed."""
     parser = argparse.ArgumentParser(
         prog="streamrec",
         description="Streaming generative recommendations: Kafka events -> HSTU -> top-K.",
     )
     parser.add_argument("--version", action="version", version=f"streamrec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    run = sub.add_parser("run", help="run the worker against a Kafka cluster")
-    _add_config_flags(run, worker=True)
-    run.set_defaults(handler=_run)
-
-    demo = sub.add_parser("demo", help="local broker + small model + replayed events")
-    demo.add_argument("--model", type=Path, metavar="DIR", help="serve this model (else train)")
-    demo.add_argument("--events", type=Path, metavar="RATINGS_CSV", help="MovieLens ratings.csv")
-    demo.add_argument("--num-events", type=int, default=5_000, help="events to replay")
-    demo.add_argument("--rate", type=float, default=1_000.0, help="events/s (0 = unpaced)")
-    demo.add_argument("--partitions", type=int, default=4)
-    demo.add_argument("--watch", type=int, default=3, help="users whose updates are printed")
-    demo.add_argument("--log-level", default="WARNING")
-    demo.set_defaults(handler=_demo)
-
-    train = sub.add_parser("train", help="train a model directory")
-    train.add_argument("--out", type=Path, required=True, metavar="DIR")
-    train.add_argument("--epochs", type=int, default=TrainConfig.epochs)
-    train.add_argument("--max-seq-len", type=int, default=TrainConfig.max_seq_len)
-    _add_data_flags(train)
-    train.set_defaults(handler=_train)
-
-    evaluation = sub.add_parser("eval", help="evaluate a model directory offline")
-    evaluation.add_argument("--model", type=Path, required=True, metavar="DIR")
-    evaluation.add_argument("--k", type=int, default=10)
-    evaluation.add_argument("--exclude-history", action="store_true")
-    _add_data_flags(evaluation)
-    evaluation.set_defaults(handler=_eval)
-
-    export = sub.add_parser("export", help="compile a model to an AOTInductor package")
-    _add_config_flags(export, worker=False)
-    add_export_arguments(export)
-    export.set_defaults(handler=_export, model_dir=None, cache_dir=None, device=None)
-    export.set_defaults(retrieve_k=None, kv_dtype=None, weight_dtype=None)
-
-    bench = sub.add_parser("bench", help="run a benchmark of bench/ (source checkout)")
-    bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its own flags")
-    bench.set_defaults(handler=_bench)
-
-    config = sub.add_parser("config", help="inspect the configuration")
-    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
-    show = config_sub.add_parser("show", help="print the effective configuration")
-    _add_config_flags(show, worker=True)
-    show.add_argument("--format", choices=("toml", "json"), default="toml")
-    show.add_argument("--show-secrets", action="store_true", help="do not mask passwords")
-    show.set_defaults(handler=_config_show)
-
-    produce = sub.add_parser("produce", help="send JSON-lines events to a topic")
-    produce.add_argument("--topic", required=True)
-    produce.add_argument("--file", type=Path, help="JSON-lines file (default: stdin)")
-    produce.add_argument("--format", choices=("msgpack", "json"), default="msgpack")
-    produce.add_argument(
-        "--kind",
-        choices=("playback", "interaction"),
-        help="event schema (default: by topic name from the config)",
-    )
-    produce.add_argument("--key-field", default="user_id", help="event field used as key")
-    _add_config_flags(produce, worker=False)
-    produce.set_defaults(handler=_produce)
+    for cmd in COMMANDS:
+        child = sub.add_parser(
+            cmd.name, help=cmd.help, description=cmd.help, formatter_class=HelpFormatter
+        )
+        if command is None or command == cmd.name:
+            cmd.build(child)
     return parser
+
+
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv``: the top level takes no option with a value."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``streamrec`` console script; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_command_in(args_in) or "")  # "": no subcommand's arguments
+    args = parser.parse_args(args_in)
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -1,35 +1,69 @@
-"""``streamrec demo``: the whole system on one machine in well under a minute.
+"""``streamrec demo``: the whole system on one machine, and the numbers that back its claim.
 
-A dev broker (Tansu) with the four topics, a small model trained on synthetic data in a
-few seconds (or ``--model DIR``), a replayed event stream (synthetic, or a MovieLens
-``ratings.csv`` with ``--events``) with a few malformed records mixed in, and the real
-worker (``App``) in this process. It prints some users' recommendations as they are
-acknowledged and a closing summary, then exits 0 once every record is committed.
+A dev broker (Tansu) with the four topics; a small model trained on the demo data in
+seconds to a few CPU-minutes (kept under ``.streamrec-cache/demo/`` for the next run) or the
+configured one; MovieLens-small when the shared data is present (titles from
+``movies.csv``), synthetic data otherwise; the real worker (``App``) in this process. Two
+replays: one paced at ``--rate`` (a few users' updates are printed as they are
+acknowledged), then one unpaced (as fast as the worker goes), each with a few malformed
+records mixed in. It closes with a table: incremental vs full recompute for the same
+users, HR@10 against most-popular, cache hit rate, per-phase p50/p99 and throughput.
+
+The worker's configuration comes from the same layers as ``streamrec run`` (``--config``,
+``STREAMREC_*``, ``--set``, shortcut flags) above the demo's own defaults, so e.g.
+``STREAMREC_MODEL__REQUIRE_AOTI=true`` with an exported package serves the AOTI path.
+Only the broker address is the demo's own: it starts the broker.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import contextlib
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TextIO
+from typing import Final, TextIO
 
-import numpy as np
+from aiokafka import AIOKafkaProducer
 
-from streamrec.errors import BrokerError, ConfigError
-from streamrec.offline.datasets import InteractionLog, SyntheticSpec, read_movielens, synthetic_log
-from streamrec.offline.training import TrainConfig, train
+from streamrec.cache.history_backends import open_history_store
+from streamrec.cache.history_store import History, HistoryStore
+from streamrec.errors import BrokerError, StreamrecError
+from streamrec.offline.evaluation import evaluate
 from streamrec.pipeline.micro_batcher import BatcherConfig
+from streamrec.pipeline.reference import full_recompute
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.schemas.codec import encode_event
-from streamrec.schemas.events import Action, Event, InteractionEvent, PlaybackEvent
+from streamrec.schemas.events import Event, PlaybackEvent
+from streamrec.schemas.records import Recommendation
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
+from streamrec.tools.config_flags import effective_config
+from streamrec.tools.demo_data import (
+    DEMO_DEFAULTS,
+    DemoConfig,
+    DemoSource,
+    load_source,
+    log_to_events,
+    replay_users,
+)
+from streamrec.tools.demo_model import (
+    demo_model_dir,
+    ensure_demo_model,
+    is_trained,
+    train_demo_model,
+    training_log,
+)
+from streamrec.tools.demo_report import (
+    DemoReport,
+    Exactness,
+    Quality,
+    Recorder,
+    Throughput,
+)
 from streamrec.tools.devbroker import DevBroker
+from streamrec.tools.update_cost import measure_update_costs
 from streamrec.worker.app import App
 from streamrec.worker.config import (
     CacheConfig,
@@ -42,134 +76,27 @@ from streamrec.worker.config import (
     TopicsConfig,
     WorkerConfig,
 )
+from streamrec.worker.logging_setup import configure_logging
+from streamrec.worker.model_loader import LoadedModel, load_model
 from streamrec.worker.serving_pipeline import Published
+from streamrec.worker.serving_stack import serving_scoring
 
-_DURATION_MS = 200_000
-_PLAYED_MS = {Action.COMPLETE: 190_000, Action.PARTIAL: 100_000, Action.SKIP: 10_000}
-_INTERACTION = {Action.LIKE: "like", Action.SAVE: "save", Action.SHARE: "share"}
-_MALFORMED = (
-    b"\xc1 not msgpack",
-    b'{"user_id": "u1", "item_id": 7, "ts_ms": 1}',
-    b'{"item_id": "s1", "ts_ms": 1, "ms_played": 1, "duration_ms": 2}',
+__all__ = ["DemoConfig", "run_demo", "run_demo_command", "train_demo_model", "worker_config"]
+
+# (value, to the playback topic?, key or None for the user's): one of each rejection kind
+_MALFORMED: Final = (
+    (b"\xc1 not msgpack", True, None),
+    (b'{"user_id": "u1", "item_id": 7, "ts_ms": 1}', False, None),
+    (b'{"item_id": "s1", "ts_ms": 1, "ms_played": 1, "duration_ms": 2}', True, None),
+    # a valid event keyed by another user: it would sit on that user's partition
+    (b'{"user_id": "u1", "item_id": "s1", "ts_ms": 1, "action": "like"}', False, b"u2"),
 )
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """What the demo replays and how fast; ``rate`` 0 means as fast as the broker takes."""
-
-    events: int = 5_000
-    rate: float = 1_000.0
-    partitions: int = 4
-    model_dir: Path | None = None
-    events_file: Path | None = None
-    watch_users: int = 3
-    malformed_every: int = 200  # one malformed record per this many events (0 = none)
-    seed: int = 1
-
-    def __post_init__(self) -> None:
-        if self.events < 1 or self.partitions < 1 or self.watch_users < 0:
-            raise ConfigError(
-                f"demo: events={self.events} partitions={self.partitions} "
-                f"watch_users={self.watch_users} must be >= 1, >= 1, >= 0"
-            )
-        if self.rate < 0 or self.malformed_every < 0:
-            raise ConfigError(
-                f"demo: rate={self.rate} malformed_every={self.malformed_every} must be >= 0"
-            )
-
-
-@dataclass
-class DemoSummary:
-    events: int
-    malformed: int
-    seconds: float
-    published: int
-    dead_letters: int
-    latencies_s: list[float] = field(default_factory=list)
-    hit_rate: float = 0.0
-    batches: int = 0
-    backend: str = ""
-
-    @property
-    def events_per_s(self) -> float:
-        return (self.events + self.malformed) / self.seconds if self.seconds > 0 else 0.0
-
-    def percentile_ms(self, q: float) -> float:
-        return float(np.percentile(self.latencies_s, q) * 1000) if self.latencies_s else 0.0
-
-    def render(self) -> str:
-        return "\n".join(
-            [
-                "-- summary " + "-" * 50,
-                f"events          {self.events} valid + {self.malformed} malformed "
-                f"in {self.seconds:.1f} s ({self.events_per_s:,.0f} events/s)",
-                f"published       {self.published} recommendations in {self.batches} batches "
-                f"(backend {self.backend})",
-                f"event->publish  p50 {self.percentile_ms(50):.1f} ms, "
-                f"p99 {self.percentile_ms(99):.1f} ms",
-                f"cache hit rate  {self.hit_rate:.1%}",
-                f"dead letters    {self.dead_letters}",
-            ]
-        )
-
-
-def log_to_events(log: InteractionLog, limit: int, seed: int = 0) -> list[Event]:
-    """At most ``limit`` of the log's tokens as wire events, users interleaved.
-
-    Every user's n-th event comes before anyone's (n+1)-th (random order within a round),
-    so a short replay still reaches many users; each user's own events stay in order.
-    Playback actions become playbacks with a matching fraction played, likes/saves/shares
-    interactions; MovieLens VIEW becomes a partial playback.
-    """
-    lengths = log.lengths()
-    users = np.repeat(np.arange(log.num_users), lengths)
-    rank = np.arange(log.num_events) - np.repeat(log.offsets[:-1], lengths)  # [E]
-    jitter = np.random.default_rng(seed).random(log.num_events)
-    order = np.lexsort((jitter, rank))[:limit]
-    out: list[Event] = []
-    for i in order.tolist():
-        user, item = log.users[int(users[i])], str(log.items[i])
-        action, ts = Action(int(log.actions[i])), int(log.ts_ms[i])
-        if action in _INTERACTION:
-            out.append(InteractionEvent(user, item, ts, _INTERACTION[action]))
-        else:
-            played = _PLAYED_MS.get(action, _PLAYED_MS[Action.PARTIAL])
-            out.append(PlaybackEvent(user, item, ts, played, _DURATION_MS))
-    return out
-
-
-def train_demo_model(out_dir: Path, progress: TextIO | None = None) -> Path:
-    """A small HSTU on synthetic chains: a few seconds on two CPU cores."""
-    data = synthetic_log(SyntheticSpec(num_users=300, num_items=200, events_per_user=30, seed=0))
-    config = TrainConfig(
-        epochs=2,
-        batch_size=64,
-        seq_len=32,
-        max_seq_len=64,
-        num_negatives=64,
-        d_model=32,
-        num_layers=2,
-        num_heads=2,
-        head_dim=16,
-        num_oov_buckets=4,
-        dropout=0.0,
-        lr=3e-3,
-        model_name="demo-hstu",
-    )
-    return train(data, out_dir, config, progress=progress).model_dir
-
-
-def _source_log(cfg: DemoConfig) -> InteractionLog:
-    if cfg.events_file is not None:
-        return read_movielens(cfg.events_file)
-    users = max(50, cfg.events // 15)
-    return synthetic_log(
-        SyntheticSpec(num_users=users, num_items=200, events_per_user=30, seed=cfg.seed)
-    )
+_SHOWN_ITEMS: Final = 3
+Record = tuple[bool, bytes | None, bytes]  # (to the playback topic?, key, value)
 
 
 def worker_config(bootstrap: str, model_dir: Path) -> WorkerConfig:
+    """A fixed small CPU worker config (benchmarks use it; the demo itself layers)."""
     return WorkerConfig(
         kafka=KafkaConfig(bootstrap_servers=bootstrap, client_id="streamrec-demo"),
         topics=TopicsConfig(),
@@ -185,143 +112,283 @@ def worker_config(bootstrap: str, model_dir: Path) -> WorkerConfig:
 
 
 class _Watcher:
-    """Prints the watched users' recommendations, at most one per ``every`` versions."""
+    """Prints the watched users' recommendations (titles, not ids), every ``every``-th."""
 
-    def __init__(self, users: list[str], out: TextIO, every: int = 3) -> None:
+    def __init__(self, source: DemoSource, users: list[str], out: TextIO, every: int = 3):
+        self.source = source
         self.shown = dict.fromkeys(users, -every)
         self.out = out
         self.every = every
-        self.latencies: list[float] = []
+        self.active = True
 
-    def __call__(self, published: Published) -> None:
-        latency_s = published.latency_s
-        self.latencies.append(latency_s)
-        last = self.shown.get(published.user_id)
-        if last is not None and published.version >= last + self.every:
-            rec = published.recommendation()
-            self.shown[rec.user_id] = rec.version
-            top = ", ".join(f"{item} {score:.2f}" for item, score in rec.items[:5])
-            self.out.write(
-                f"{rec.user_id:>6} v{rec.version:<3} {rec.cache_outcome.value:<8} "
-                f"{latency_s * 1000:6.1f} ms  {top}\n"
-            )
-            self.out.flush()
+    def __call__(self, rec: Recommendation, latency_s: float) -> None:
+        last = self.shown.get(rec.user_id)
+        if not self.active or last is None or rec.version < last + self.every:
+            return
+        self.shown[rec.user_id] = rec.version
+        top = " · ".join(
+            f"{self.source.title(item)} {score:.2f}" for item, score in rec.items[:_SHOWN_ITEMS]
+        )
+        self.out.write(
+            f"{rec.user_id:>6} v{rec.version:<3} {rec.cache_outcome.value:<8} "
+            f"{latency_s * 1000:6.1f} ms  {top}\n"
+        )
+        self.out.flush()
 
 
-def _records(cfg: DemoConfig, events: list[Event]) -> Iterator[tuple[bool, bytes, bytes]]:
-    """(is playback, key, value), with a malformed record every ``malformed_every``."""
+def _records(cfg: DemoConfig, events: Sequence[Event]) -> Iterator[Record]:
+    """The events as records, with a malformed record every ``malformed_every``."""
     for n, event in enumerate(events, start=1):
         yield isinstance(event, PlaybackEvent), event.user_id.encode(), encode_event(event)
         if cfg.malformed_every and n % cfg.malformed_every == 0:
-            bad = _MALFORMED[(n // cfg.malformed_every) % len(_MALFORMED)]
-            yield True, event.user_id.encode(), bad
+            value, playback, key = _MALFORMED[(n // cfg.malformed_every) % len(_MALFORMED)]
+            yield playback, key or event.user_id.encode(), value
 
 
 async def _produce(
-    bootstrap: str, topics: TopicsConfig, cfg: DemoConfig, events: list[Event]
-) -> tuple[int, int]:
-    """Send the stream (paced at ``cfg.rate``); returns (valid, malformed) counts."""
-    from aiokafka import AIOKafkaProducer
-
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
-    await producer.start()
-    headers = [(CONTENT_TYPE_HEADER, WireFormat.MSGPACK.content_type.encode())]
-    valid = malformed = 0
+    producer: AIOKafkaProducer, topics: TopicsConfig, records: list[Record], rate: float | None
+) -> None:
+    """Send the records, paced at ``rate`` events/s (None: as fast as the broker takes)."""
+    headers = {
+        fmt: [(CONTENT_TYPE_HEADER, fmt.content_type.encode())]
+        for fmt in (WireFormat.MSGPACK, WireFormat.JSON)
+    }
     started = time.monotonic()
     pending = []
+    for n, (is_playback, key, value) in enumerate(records, start=1):
+        topic = topics.playback if is_playback else topics.interaction
+        fmt = WireFormat.JSON if value[:1] == b"{" else WireFormat.MSGPACK
+        pending.append(await producer.send(topic, value, key=key, headers=headers[fmt]))
+        if rate is not None:
+            ahead = n / rate - (time.monotonic() - started)
+            if ahead > 0.005:
+                await asyncio.sleep(ahead)
+        if len(pending) >= 500:
+            await asyncio.gather(*pending)
+            pending.clear()
+    await asyncio.gather(*pending)
+
+
+@dataclass
+class _Run:
+    """The worker of one demo run and what feeds it."""
+
+    app: App
+    worker: asyncio.Task[int]
+    producer: AIOKafkaProducer
+    recorder: Recorder
+
+    async def wait(self, done: Callable[[], bool], timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if self.worker.done():
+                status = self.worker.result()
+                raise BrokerError(f"the demo worker stopped early with status {status}")
+            if time.monotonic() > deadline:
+                raise BrokerError(f"the demo worker did not finish within {timeout_s:.0f} s")
+            await asyncio.sleep(0.005)
+
+    async def replay(self, records: list[Record], rate: float | None, label: str) -> Throughput:
+        """Produce ``records`` and wait until the worker has finished every one of them."""
+        tracker = self.app.tracker
+        target = tracker.stats().completed + len(records)
+        first = len(self.recorder.latencies_s)
+        started = time.monotonic()
+        await _produce(self.producer, self.app.config.topics, records, rate)
+        await self.wait(lambda: tracker.stats().completed >= target)
+        seconds = time.monotonic() - started
+        return Throughput(label, len(records), seconds, self.recorder.latencies_s[first:])
+
+
+async def _compared_histories(
+    store: HistoryStore, recorder: Recorder, max_seq_len: int, count: int
+) -> dict[str, History]:
+    """Up to ``count`` users whose last recommendation covers their whole history and whose
+    history fits the window (where incremental and full recompute must agree)."""
+    histories = await store.get(sorted(recorder.latest))
+    fits = {
+        u: h
+        for u, h in histories.items()
+        if 2 <= h.total_appended <= max_seq_len and recorder.latest[u].version == h.total_appended
+    }
+    return dict(list(fits.items())[:count])
+
+
+def _exactness(
+    loaded: LoadedModel,
+    config: WorkerConfig,
+    histories: dict[str, History],
+    published: dict[str, Recommendation],
+) -> Exactness:
+    """The worker's last answers against the oracle, and the cost of an update both ways."""
+    hstu = loaded.checkpoint.config
+    scoring = serving_scoring(config.scoring, hstu)
+    vocab = loaded.checkpoint.vocab
+    expected = full_recompute(
+        loaded.model, histories, num_layers=hstu.num_layers, num_heads=hstu.num_heads,
+        head_dim=hstu.head_dim, max_seq_len=hstu.max_seq_len, dtype=hstu.torch_dtype,
+        task_names=hstu.task_names, scoring=scoring, device=loaded.device,
+        block_size=config.cache.block_size,
+    )  # fmt: skip
+    recomputed = {
+        user: [(vocab.external(int(r)), float(s)) for r, s in zip(out.items, out.scores)]
+        for user, out in expected.items()
+    }
+    costs = measure_update_costs(
+        loaded.model, hstu, scoring, histories, loaded.device, config.cache.block_size
+    )
+    return Exactness.compare(
+        published, recomputed, costs, [h.total_appended for h in histories.values()]
+    )
+
+
+def _quality(source: DemoSource, model_dir: Path, out: TextIO) -> Quality | None:
     try:
-        for is_playback, key, value in _records(cfg, events):
-            topic = topics.playback if is_playback else topics.interaction
-            pending.append(await producer.send(topic, value, key=key, headers=headers))
-            if value in _MALFORMED:
-                malformed += 1
-            else:
-                valid += 1
-            if cfg.rate:
-                ahead = (valid + malformed) / cfg.rate - (time.monotonic() - started)
-                if ahead > 0.005:
-                    await asyncio.sleep(ahead)
-            if len(pending) >= 500:
-                await asyncio.gather(*pending)
-                pending.clear()
-        await asyncio.gather(*pending)
-    finally:
-        await producer.stop()
-    return valid, malformed
+        result = evaluate(model_dir, training_log(source), k=10, report=None, device="cpu")
+    except (StreamrecError, RuntimeError) as exc:  # e.g. the data do not fit the model
+        out.write(f"model quality: not measured ({exc})\n")
+        return None
+    return Quality(result.k, result.model.hr, result.popular.hr, result.num_users)
 
 
-async def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> DemoSummary:
-    with tempfile.TemporaryDirectory(prefix="streamrec-demo-") as tmp:
-        model_dir = cfg.model_dir
-        if model_dir is None:
-            out.write("training a small model on synthetic data ...\n")
-            started = time.monotonic()
-            model_dir = await asyncio.to_thread(train_demo_model, Path(tmp) / "model")
-            out.write(f"trained in {time.monotonic() - started:.1f} s -> {model_dir}\n")
-        events = log_to_events(_source_log(cfg), cfg.events, cfg.seed)
+async def run_demo(cfg: DemoConfig, config: WorkerConfig, source: DemoSource,
+                   out: TextIO | None = None) -> DemoReport:  # fmt: skip
+    """Broker, worker, two replays and the closing table (returned and printed)."""
+    out = out if out is not None else sys.stdout  # looked up per call: tests capture it
+    loaded = await asyncio.to_thread(load_model, config.model, kv_dtype=config.cache.kv_dtype)
+    hstu = loaded.checkpoint.config
+    out.write(_model_line(loaded, config) + "\n")
+    chosen = replay_users(source.log, cfg.users, cfg.events_per_user)
+    events = log_to_events(source.log, cfg.paced_events + cfg.unpaced_events, cfg.seed, chosen)
+    records = list(_records(cfg, events))
+    every = cfg.malformed_every
+    split = cfg.paced_events + (cfg.paced_events // every if every else 0)  # paced records
+    store = open_history_store(config.store.url, hstu.max_seq_len)
+    recorder = Recorder()
+    watcher = _Watcher(
+        source, list(dict.fromkeys(e.user_id for e in events))[: cfg.watch_users], out
+    )
+
+    def published(done: Published) -> None:
+        rec = done.recommendation()  # decodes the record: fine at demo rates
+        recorder(rec, done.latency_s)
+        watcher(rec, done.latency_s)
+
+    try:
         async with DevBroker() as broker:
-            config = worker_config(broker.bootstrap_servers, model_dir)
+            config = _with_bootstrap(config, broker.bootstrap_servers)
             t = config.topics
+            n = cfg.partitions
             await broker.create_topics_async(
-                {
-                    t.playback: cfg.partitions,
-                    t.interaction: cfg.partitions,
-                    t.output: cfg.partitions,
-                    t.dead_letter: 1,
-                }
+                {t.playback: n, t.interaction: n, t.output: n, t.dead_letter: 1}
             )
-            out.write(f"dev broker at {broker.bootstrap_servers}; replaying {len(events)} events\n")
-            watched = list(dict.fromkeys(e.user_id for e in events))[: cfg.watch_users]
-            watcher = _Watcher(watched, out)
-            app = App(config, on_published=watcher)
+            app = App(config, model=loaded, store=store, on_published=published)
             worker = asyncio.create_task(app.run())
-            await _wait_ready(app, worker)
-            started = time.monotonic()
-            valid, malformed = await _produce(broker.bootstrap_servers, t, cfg, events)
-            await _wait_all_done(app, worker, valid + malformed)
-            seconds = time.monotonic() - started
-            app.stop()
-            status = await worker
+            try:
+                async with AIOKafkaProducer(
+                    bootstrap_servers=broker.bootstrap_servers, acks="all", linger_ms=1
+                ) as producer:
+                    run = _Run(app, worker, producer, recorder)
+                    await run.wait(lambda: app.ready, 60.0)
+                    out.write(
+                        f"dev broker at {broker.bootstrap_servers}; replaying {len(events)} "
+                        f"events of {len(chosen)} users ({cfg.paced_events} at "
+                        f"{cfg.rate:,.0f}/s, then {cfg.unpaced_events} unpaced)\n"
+                    )
+                    runs = []
+                    if split:
+                        runs.append(await run.replay(records[:split], cfg.rate, "paced"))
+                    watcher.active = False
+                    if records[split:]:
+                        runs.append(await run.replay(records[split:], None, "unpaced"))
+                    total = app.stats().tracker.tracked
+                    await run.wait(lambda: sum(app.stats().committed.values()) >= total)
+            finally:
+                app.stop()
+                status = await worker
             if status != 0:
                 raise BrokerError(f"the demo worker exited with status {status}")
-            stats = app.stats()
-            engine = app.engine
-            assert engine is not None
-            es = engine.stats()
-            lookups = es.gpu_hits + es.host_hits + es.misses
-            summary = DemoSummary(
-                events=valid,
-                malformed=malformed,
-                seconds=seconds,
-                published=stats.published,
-                dead_letters=stats.dead_letters,
-                latencies_s=watcher.latencies,
-                hit_rate=(es.gpu_hits + es.host_hits) / lookups if lookups else 0.0,
-                batches=stats.batches,
-                backend=es.backend,
+        histories = await _compared_histories(store, recorder, hstu.max_seq_len, cfg.compare_users)
+        try:
+            exactness: Exactness | None = await asyncio.to_thread(
+                _exactness, loaded, config, histories, recorder.latest
             )
-    out.write(summary.render() + "\n")
-    return summary
+        except (StreamrecError, RuntimeError) as exc:  # the table goes on without it
+            out.write(f"incremental vs full recompute: not measured ({exc})\n")
+            exactness = None
+    finally:
+        await store.close()
+    quality = await asyncio.to_thread(_quality, source, config.model.model_dir, out)
+    report = DemoReport(
+        source=source.name,
+        backend=loaded.backend,
+        device=str(loaded.device),
+        model_version=loaded.checkpoint.version,
+        published=app.stats().published,
+        dead_letters=app.metrics.invalid_counts(),
+        hit_rate=_hit_rate(app),
+        phases=recorder.phase_ms(),
+        runs=runs,
+        exactness=exactness if histories else None,
+        quality=quality,
+    )
+    out.write(report.render() + "\n")
+    return report
 
 
-async def _wait_ready(app: App, worker: asyncio.Task[int], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not app.ready:
-        if worker.done():
-            raise BrokerError(f"the demo worker stopped early with status {worker.result()}")
-        if time.monotonic() > deadline:
-            raise BrokerError(f"the demo worker was not ready within {timeout_s} s")
-        await asyncio.sleep(0.05)
+def _model_line(loaded: LoadedModel, config: WorkerConfig) -> str:
+    line = (
+        f"model {loaded.checkpoint.model_name} {loaded.checkpoint.version}: backend "
+        f"{loaded.backend} on {loaded.device}"
+    )
+    if loaded.backend == "eager":
+        line += (
+            f" (no AOTI package in {config.model.aoti_cache_dir}; `streamrec export "
+            f"--model {config.model.model_dir}` compiles one)"
+        )
+    return line
 
 
-async def _wait_all_done(app: App, worker: asyncio.Task[int], total: int) -> None:
-    """Until every produced record is done (published or dead-lettered) and committed."""
-    while True:
-        if worker.done():
-            raise BrokerError(f"the demo worker stopped early with status {worker.result()}")
-        stats = app.stats()
-        committed = sum(stats.committed.values())
-        if stats.tracker.completed >= total and committed >= total:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(worker), 0.1)
+def _hit_rate(app: App) -> float:
+    if app.engine is None:
+        return 0.0
+    es = app.engine.stats()
+    lookups = es.gpu_hits + es.host_hits + es.misses
+    return (es.gpu_hits + es.host_hits) / lookups if lookups else 0.0
+
+
+def _with_bootstrap(config: WorkerConfig, bootstrap: str) -> WorkerConfig:
+    return replace(config, kafka=replace(config.kafka, bootstrap_servers=bootstrap))
+
+
+def run_demo_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """``streamrec demo``: config layers, data, model (cached or trained), then the run."""
+    out = out if out is not None else sys.stdout
+    cfg = DemoConfig(
+        paced_events=args.num_events,
+        unpaced_events=args.unpaced_events,
+        rate=args.rate,
+        users=args.users,
+        partitions=args.partitions,
+        watch_users=args.watch,
+        ratings=args.ratings,
+        synthetic=args.synthetic,
+        retrain=args.retrain,
+    )
+    source = load_source(
+        cfg.ratings, synthetic=cfg.synthetic, users=cfg.users, events_per_user=cfg.events_per_user
+    )
+    own_model = demo_model_dir(source)
+    config = effective_config(args, {**DEMO_DEFAULTS, "model.model_dir": str(own_model)})
+    configure_logging(config.log)
+    out.write(f"data: {source.describe()}\n")
+    if config.model.model_dir == own_model:
+        if cfg.retrain or not is_trained(own_model):
+            out.write(f"training the demo model on {source.name} data (kept in {own_model}) ...\n")
+            out.flush()
+        bar = sys.stderr if sys.stderr.isatty() else None  # a log file gets no bar lines
+        model = ensure_demo_model(source, own_model, retrain=cfg.retrain, progress=bar)
+        if not model.cached:
+            out.write(f"trained in {model.trained_s:.1f} s\n")
+    asyncio.run(run_demo(cfg, config, source, out))
+    return 0

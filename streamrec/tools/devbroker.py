@@ -225,7 +225,11 @@ class DevBroker:
             "memory://tansu/",
         ]
         with self._log_path.open("ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, close_fds=True)
+            # Its own session: a Ctrl-C at the terminal reaches the owner, which stops the
+            # broker in order, instead of killing the broker under it.
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, close_fds=True, start_new_session=True
+            )
         deadline = time.monotonic() + self._start_timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:

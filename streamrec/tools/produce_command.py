@@ -1,11 +1,14 @@
 """``streamrec produce``: JSON lines in, validated events on a topic out.
 
 Lines are validated with the same codec the worker decodes with, so whatever this
-command accepts the worker accepts too. Invalid lines are reported (with their line
-numbers) and skipped; the valid ones are still sent, and the exit status says that
-something was skipped. Records are keyed by ``user_id`` (co-partitioning depends on it)
-and carry a ``content-type`` header. The producer uses ``acks=all`` without idempotence:
-the dev broker does not implement InitProducerId.
+command accepts the worker accepts too. By default it is all or nothing: the whole input
+is validated first and, if any line is invalid, every invalid line is reported (with its
+line number) and nothing is sent, so the fixed file can simply be sent again.
+``skip_invalid`` streams instead: valid lines go out as they arrive (a pipe from another
+process) and invalid ones are reported and skipped. ``dry_run`` validates and sends
+nothing. Records are keyed by ``user_id`` (the worker dead-letters any other key:
+co-partitioning depends on it) and carry a ``content-type`` header. The producer uses
+``acks=all`` without idempotence: the dev broker does not implement InitProducerId.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import IO, Final
 
 from streamrec.errors import BrokerError, ConfigError, SchemaError
-from streamrec.schemas.codec import decode_event, encode_event, event_to_wire
+from streamrec.schemas.codec import decode_event, encode_event
 from streamrec.schemas.events import EventKind
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
 from streamrec.worker.config import KafkaConfig, TopicsConfig
@@ -48,6 +51,7 @@ class LineError:
 class ProduceStats:
     """What one ``produce`` run did; ``invalid`` lines were reported and not sent."""
 
+    valid: int = 0
     sent: int = 0
     blank: int = 0
     errors: list[LineError] = field(default_factory=list)
@@ -76,9 +80,10 @@ def kind_for_topic(topic: str, topics: TopicsConfig, explicit: str | None = None
 
 
 def prepare_line(
-    line: str | bytes, line_no: int, kind: EventKind, fmt: WireFormat, key_field: str
+    line: str | bytes, line_no: int, kind: EventKind, fmt: WireFormat
 ) -> OutgoingRecord | LineError | None:
-    """Validate one JSON line and encode it for the wire; None for a blank line."""
+    """Validate one JSON line and encode it for the wire, keyed by its user_id; None for a
+    blank line."""
     data = line.encode() if isinstance(line, str) else line
     if not data.strip():
         return None
@@ -86,10 +91,7 @@ def prepare_line(
         event = decode_event(data.strip(), kind, WireFormat.JSON)
     except SchemaError as exc:
         return LineError(line_no, str(exc))
-    key = event_to_wire(event).get(key_field)
-    if not isinstance(key, str | int) or isinstance(key, bool):
-        return LineError(line_no, f"key field {key_field!r} is missing or not a string: {key!r}")
-    return OutgoingRecord(line_no, str(key).encode(), encode_event(event, fmt))
+    return OutgoingRecord(line_no, event.user_id.encode(), encode_event(event, fmt))
 
 
 async def _iter_lines(stream: IO[bytes]) -> AsyncIterator[bytes]:
@@ -118,13 +120,54 @@ async def produce_stream(
     kind: EventKind,
     kafka: KafkaConfig,
     fmt: WireFormat = WireFormat.MSGPACK,
-    key_field: str = "user_id",
+    skip_invalid: bool = False,
+    dry_run: bool = False,
 ) -> ProduceStats:
-    """Send every valid line of ``stream`` to ``topic``; raises BrokerError if unreachable."""
+    """Validate ``stream`` and send it to ``topic``: all lines or none unless
+    ``skip_invalid``; nothing with ``dry_run``. Raises BrokerError if Kafka is unreachable."""
+    stats = ProduceStats()
+    if dry_run or not skip_invalid:
+        ready: list[OutgoingRecord] = []
+        async for prepared in _prepared(stream, kind, fmt, stats):
+            ready.append(prepared)
+        if dry_run or stats.invalid:
+            return stats
+        return await _send(_from_list(ready), topic, kafka, fmt, stats)
+    return await _send(_prepared(stream, kind, fmt, stats), topic, kafka, fmt, stats)
+
+
+async def _prepared(
+    stream: IO[bytes], kind: EventKind, fmt: WireFormat, stats: ProduceStats
+) -> AsyncIterator[OutgoingRecord]:
+    """The valid lines of ``stream``; blank and invalid ones are counted in ``stats``."""
+    line_no = 0
+    async for line in _iter_lines(stream):
+        line_no += 1
+        prepared = prepare_line(line, line_no, kind, fmt)
+        if prepared is None:
+            stats.blank += 1
+        elif isinstance(prepared, LineError):
+            stats.errors.append(prepared)
+        else:
+            stats.valid += 1
+            yield prepared
+
+
+async def _from_list(records: list[OutgoingRecord]) -> AsyncIterator[OutgoingRecord]:
+    for record in records:
+        yield record
+
+
+async def _send(
+    records: AsyncIterator[OutgoingRecord],
+    topic: str,
+    kafka: KafkaConfig,
+    fmt: WireFormat,
+    stats: ProduceStats,
+) -> ProduceStats:
     from aiokafka import AIOKafkaProducer
     from aiokafka.errors import KafkaError
 
-    stats = ProduceStats()
     headers = [(CONTENT_TYPE_HEADER, fmt.content_type.encode())]
     producer = AIOKafkaProducer(**kafka.client_kwargs(), acks="all", enable_idempotence=False)
     try:
@@ -134,21 +177,13 @@ async def produce_stream(
         raise BrokerError(f"cannot reach Kafka at {kafka.bootstrap_servers!r}: {exc}") from exc
     try:
         pending: list[asyncio.Future[object]] = []
-        line_no = 0
-        async for line in _iter_lines(stream):
-            line_no += 1
-            prepared = prepare_line(line, line_no, kind, fmt, key_field)
-            if prepared is None:
-                stats.blank += 1
-            elif isinstance(prepared, LineError):
-                stats.errors.append(prepared)
-            else:
-                pending.append(
-                    await producer.send(topic, prepared.value, key=prepared.key, headers=headers)
-                )
-                if len(pending) >= _FLUSH_EVERY:
-                    stats.sent += await _await_all(pending)
-                    pending = []
+        async for record in records:
+            pending.append(
+                await producer.send(topic, record.value, key=record.key, headers=headers)
+            )
+            if len(pending) >= _FLUSH_EVERY:
+                stats.sent += await _await_all(pending)
+                pending = []
         stats.sent += await _await_all(pending)
     except KafkaError as exc:
         raise BrokerError(f"producing to {topic!r} at {kafka.bootstrap_servers!r}: {exc}") from exc

@@ -215,7 +215,7 @@ class App:
             checkpoint.owns,
             self._stopping,
         )
-        self.metrics.set_backend(loaded.backend)
+        self.metrics.set_model(name, version, loaded.backend, loaded.device.type)
         log.info(
             "model ready",
             extra={

@@ -35,6 +35,7 @@ from streamrec.pipeline.scoring_config import ScoringConfig
 ENV_PREFIX = "STREAMREC_"
 ENV_CONFIG_FILE = "STREAMREC_CONFIG"
 SECRET_MASK = "***"
+DEVICES = ("auto", "cpu", "cuda")  # model.device and every --device flag
 
 _TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -322,7 +323,7 @@ class ModelConfig(_Section):
 
     def _validate(self) -> None:
         self._require(str(self.model_dir) != "", "model_dir", "must not be empty")
-        self._one_of("device", ("auto", "cpu", "cuda"))
+        self._one_of("device", DEVICES)
         self._one_of("weight_dtype", WEIGHT_DTYPES)
         self._positive("graph_max_tokens")
 
@@ -606,16 +607,19 @@ def load_config(
     *,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, object] | None = None,
+    defaults: Mapping[str, object] | None = None,
 ) -> WorkerConfig:
     """Build the effective config: defaults < TOML ``path`` < ``environ`` < ``overrides``.
 
     ``environ`` defaults to ``os.environ``; tests pass their own mapping. ``overrides``
     are dotted keys (``"http.port"``) from CLI flags; string values are parsed like
-    environment values. ``path`` None falls back to ``$STREAMREC_CONFIG``, then to none.
+    environment values. ``defaults`` (same form) replace built-in defaults below every
+    layer: the demo's own settings, which a file, the environment or a flag still beat.
+    ``path`` None falls back to ``$STREAMREC_CONFIG``, then to none.
     """
     env = os.environ if environ is None else environ
     hints = _section_hints()
-    layers: list[dict[str, dict[str, Any]]] = []
+    layers: list[dict[str, dict[str, Any]]] = [_read_overrides(defaults or {}, hints)]
     file = path if path is not None else env.get(ENV_CONFIG_FILE) or None
     if file is not None:
         layers.append(_read_toml(Path(file), hints))

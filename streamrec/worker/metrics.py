@@ -127,6 +127,12 @@ class WorkerMetrics:
         self.model_backend = Gauge(
             p + "model_backend", "1 for the model backend in use", ["backend"], registry=r
         )
+        self.model_info = Gauge(
+            p + "model_info",
+            "1 for the model this worker serves: its name, version and backend",
+            ["name", "version", "backend"],
+            registry=r,
+        )
         self.last_commit = Gauge(
             p + "last_commit_timestamp_seconds",
             "Unix time of the last successful commit",
@@ -149,6 +155,7 @@ class WorkerMetrics:
         self._seen: dict[tuple[int, str], float] = {}  # last cumulative value per series
         self._phase_seconds: dict[str, float] = {}
         self._lag_series: set[tuple[str, str]] = set()
+        self._pool_tier = "gpu"  # the KV pool's tier label; set_model names it by device
 
     # ------------------------------------------------------------------ exposition
 
@@ -183,6 +190,20 @@ class WorkerMetrics:
     def set_backend(self, backend: str) -> None:
         for name in BACKENDS:
             self.model_backend.labels(name).set(1.0 if name == backend else 0.0)
+
+    def set_model(self, name: str, version: str, backend: str, device_type: str) -> None:
+        """What this worker serves: ``model_info``, ``model_backend`` and the KV pool's tier.
+
+        The pool is tier ``gpu`` on a CUDA device and ``cpu`` on a CPU worker (its blocks
+        live in RAM there), so no ``gpu`` series exists where there is no GPU; its series
+        start at 0 so that rates are defined from the first scrape.
+        """
+        self.model_info.clear()
+        self.model_info.labels(name, version, backend).set(1.0)
+        self.set_backend(backend)
+        self._pool_tier = "gpu" if device_type == "cuda" else "cpu"
+        for family in (self.cache_hits, self.cache_misses, self.cache_evictions):
+            family.labels(self._pool_tier)
 
     def set_lag(self, lags: Mapping[tuple[str, int], int]) -> None:
         """Replace the lag series: partitions no longer owned disappear."""
@@ -222,13 +243,15 @@ class WorkerMetrics:
     def sync_caches(self, tiers: KVTiersStats, store: HistoryStoreStats | None) -> None:
         """Cache counters per tier from cumulative snapshots.
 
-        Per tier, a miss is a lookup the tier could not answer: the GPU misses whatever
-        it does not hold, the host tier misses what falls through to a rebuild, and the
-        history store misses users it has never seen.
+        Per tier, a miss is a lookup the tier could not answer: the KV pool (``gpu``, or
+        ``cpu`` on a CPU worker) misses whatever it does not hold, the host tier misses what
+        falls through to a rebuild, and the history store misses users it has never seen.
+        Tiers that do not exist (no host tier, no store stats) get no series at all.
         """
-        self._sync(self.cache_hits, "gpu", tiers.gpu_hits)
-        self._sync(self.cache_misses, "gpu", tiers.host_hits + tiers.misses)
-        self._sync(self.cache_evictions, "gpu", tiers.pool.evictions)
+        pool = self._pool_tier
+        self._sync(self.cache_hits, pool, tiers.gpu_hits)
+        self._sync(self.cache_misses, pool, tiers.host_hits + tiers.misses)
+        self._sync(self.cache_evictions, pool, tiers.pool.evictions)
         if tiers.host is not None:
             self._sync(self.cache_hits, "host", tiers.host_hits)
             self._sync(self.cache_misses, "host", tiers.misses)
@@ -270,6 +293,16 @@ class WorkerMetrics:
         """Current value of one sample (tests and the demo summary read metrics back)."""
         value = self.registry.get_sample_value(name, dict(labels or {}))
         return None if value is None else float(value)
+
+    def invalid_counts(self) -> dict[str, int]:
+        """Rejected input records by error kind, over all topics (the demo's summary)."""
+        out: dict[str, int] = {}
+        for metric in self.events_invalid.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    kind = sample.labels["kind"]
+                    out[kind] = out.get(kind, 0) + int(sample.value)
+        return out
 
     def families(self) -> Iterable[str]:
         return [metric.name for metric in self.registry.collect()]

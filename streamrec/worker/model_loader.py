@@ -128,11 +128,14 @@ def graphed_serving_model(
     """
     if loaded.device.type != "cuda" or not model_cfg.cuda_graphs:
         return None
+    hstu = loaded.checkpoint.config
     return capture_serving_graphs(
         loaded.model,
         cache,
-        max_seq_len=loaded.checkpoint.config.max_seq_len,
+        max_seq_len=hstu.max_seq_len,
         max_tokens=model_cfg.graph_max_tokens,
         max_users=max_batch_users,
         num_candidates=num_candidates,
+        # retrieve's k is the candidate pool (the scorer's), its users the model's dtype
+        retrieve=(num_candidates, hstu.d_model, hstu.torch_dtype) if num_candidates else None,
     )

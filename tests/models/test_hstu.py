@@ -173,6 +173,30 @@ def test_multi_token_extend_equals_prefill(seed: int) -> None:
         assert rel_err(k_new, k_ref[:, new_rows]) < REL_TOL
 
 
+@torch.no_grad()
+def test_extend_ignores_padding_tokens_past_the_offsets() -> None:
+    """GraphedModel pads a batch with tokens past offsets[-1] (they fall to the last
+    user, after its own): the real users' outputs do not change."""
+    model = random_model(11)
+    cfg = model.config
+    gen = torch.Generator().manual_seed(11)
+    lens = [3, 0, 2]
+    hist = [random_history(cfg, 8, gen) for _ in lens]
+    cache = FakePagedCache(model, num_blocks=12, block_size=4, seed=11)
+    cache.add_users(len(lens))
+    items, actions, ts, offsets = jagged(hist, lens, [0] * len(lens))
+    tables, cached = cache.batch_tables()
+    want = model.extend(items, actions, ts, offsets, cache.kv, cache.ts, tables, cached)
+    pad = torch.zeros(3, dtype=torch.int64)
+    got = model.extend(
+        torch.cat([items, pad + 1]), torch.cat([actions, pad + 1]), torch.cat([ts, pad]),
+        offsets, cache.kv, cache.ts, tables, cached,
+    )  # fmt: skip
+    n = items.shape[0]
+    assert rel_err(got[0][:, :n], want[0]) < 1e-6 and rel_err(got[1][:, :n], want[1]) < 1e-6
+    assert rel_err(got[2], want[2]) < 1e-6
+
+
 def filled_cache(model: HSTU, hist, lens, block_size: int, seed: int) -> FakePagedCache:
     """A cache holding a full recompute (prefill) of the first lens[b] tokens of each user."""
     cfg = model.config
@@ -369,6 +393,14 @@ def test_fused_extend_and_rank_equal_the_torch_path(monkeypatch) -> None:
             assert rel_err(g.cpu(), w) < REL_TOL
         cache.write([s for b in range(num_users) for s in cache.slots(b, plan[b])], *want[:2], ts)
         done = [d + n for d, n in zip(done, plan)]
+    # GraphedModel's padding: tokens past offsets[-1] fall to the last user, after its own
+    items, actions, ts, offsets = jagged(hist, [2, 0, 1, 0], done)
+    pad = torch.ones(3, dtype=torch.int64)
+    tables, lens = cache.batch_tables()
+    args = (torch.cat([items, pad]), torch.cat([actions, pad]), torch.cat([ts, pad * 0]))
+    args += (offsets, cache.kv, cache.ts, tables, lens)
+    want_emb = plain.extend(*args)[2]
+    assert rel_err(fused.extend(*(a.to(device) for a in args))[2].cpu(), want_emb) < REL_TOL
     cand = torch.randint(cfg.first_item_row, cfg.num_items, (num_users, 6), generator=gen)
     query_ts = torch.stack([h[2][max(n - 1, 0)] for h, n in zip(hist, done)])
     tables, lens = cache.batch_tables()

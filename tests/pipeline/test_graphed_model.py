@@ -203,3 +203,18 @@ def test_aoti_replayed_graphs_equal_eager_calls_on_cuda(tmp_path: Path) -> None:
         bad = torch.tensor([0, 2, 1, 3, 4, 6], device="cuda")
         graphed.extend(*args[:3], bad, *tail)
     assert graphed.stats.replays == 6
+
+
+def test_retrieve_is_padded_to_its_bucket_and_equals_the_direct_call() -> None:
+    model, cache, _, _ = _setup(2, [3, 5, 2])
+    graphed = _graphed(model, cache, cands=2, capture=False)
+    gen = torch.Generator().manual_seed(4)
+    emb = torch.nn.functional.normalize(torch.randn(3, model.config.d_model, generator=gen), dim=-1)
+    exclude = torch.tensor([[20, 21], [-1, -1], [22, -1]])
+    got = graphed.retrieve(emb, 5, exclude)
+    want = model.retrieve(emb, 5, exclude)
+    assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0])
+    assert list(graphed.stats.by_bucket) == [f"retrieve/{graphed._bucket(3)}"]
+    wide = torch.full((3, graphed.config.exclude_width + 1), -1)
+    graphed.retrieve(emb, 5, wide)  # wider than any capture: the direct call
+    assert graphed.stats.eager_calls == 1

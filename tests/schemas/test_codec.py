@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import msgpack
 import orjson
 import pytest
@@ -25,8 +27,10 @@ PLAYBACK = {"user_id": "u1", "item_id": "i9", "ts_ms": 1, "ms_played": 800, "dur
 INTERACTION = {"user_id": "u1", "item_id": "i9", "ts_ms": 1, "action": "like"}
 
 
-def record(value: bytes | None, headers=(), offset: int = 0) -> RawRecord:
-    return RawRecord(value, headers, "events", 3, offset, key=b"u1")
+def record(
+    value: bytes | None, headers=(), offset: int = 0, key: bytes | None = b"u1"
+) -> RawRecord:
+    return RawRecord(value, headers, "events", 3, offset, key=key)
 
 
 def decode_one(obj: object, kind: EventKind, fmt: WireFormat = WireFormat.MSGPACK, **kw):
@@ -51,7 +55,7 @@ def test_round_trip(event: PlaybackEvent | InteractionEvent, fmt: WireFormat) ->
     assert decode_event(data, event.kind) == event
     assert decode_event(data, event.kind, fmt) == event
     header = [("content-type", fmt.content_type.encode())]
-    batch = decode_batch([record(data, header, offset=41)], event.kind)
+    batch = decode_batch([record(data, header, 41, event.user_id.encode())], event.kind)
     assert batch.events == [DecodedEvent(event, "events", 3, 41)]
     assert batch.errors == []
 
@@ -64,7 +68,9 @@ def test_acceptance_json_interaction() -> None:
 def test_batch_keeps_order_and_coordinates_and_splits_errors() -> None:
     good = [encode_event(PlaybackEvent(f"u{i}", "i", i, 1, 2)) for i in range(4)]
     values = [good[0], b"\xc1", good[1], None, good[2], b"", good[3]]
-    batch = decode_batch([record(v, offset=i) for i, v in enumerate(values)], EventKind.PLAYBACK)
+    keys = [b"u0", b"u1", b"u1", b"u1", b"u2", b"u1", b"u3"]
+    records = [record(v, offset=i, key=k) for i, (v, k) in enumerate(zip(values, keys))]
+    batch = decode_batch(records, EventKind.PLAYBACK)
     assert [e.offset for e in batch.events] == [0, 2, 4, 6]
     assert [e.event.user_id for e in batch.events] == ["u0", "u1", "u2", "u3"]
     assert [e.record.offset for e in batch.errors] == [1, 3, 5]
@@ -178,13 +184,36 @@ def test_unexpected_failure_of_one_record_is_contained() -> None:
         def __len__(self) -> int:
             raise RuntimeError("boom")
 
-    good = record(encode_event(InteractionEvent("u", "i", 1, "hide")))
+    good = record(encode_event(InteractionEvent("u1", "i", 1, "hide")))
     batch = decode_batch([record(Weird(b"x")), good], EventKind.INTERACTION)
     assert len(batch.events) == 1
     (error,) = batch.errors
     assert (
         error.kind is ErrorKind.UNDECODABLE and "RuntimeError while decoding: boom" in error.reason
     )
+
+
+@pytest.mark.parametrize("kind", list(EventKind))
+def test_key_must_be_the_user_id(kind: EventKind) -> None:
+    """One user, one partition: a record keyed u6 carrying user u5, or keyed by nothing,
+    is dead-lettered with a reason naming both (issue 17, item 7)."""
+    base = PLAYBACK if kind is EventKind.PLAYBACK else INTERACTION
+    value = msgpack.packb({**base, "user_id": "u5"})
+    batch = decode_batch(
+        [record(value, key=b"u5"), record(value, (), 1, b"u6"), record(value, (), 2, None)], kind
+    )
+    assert [e.offset for e in batch.events] == [0]
+    mismatch, missing = batch.errors
+    assert (mismatch.kind, missing.kind) == (ErrorKind.KEY_MISMATCH, ErrorKind.MISSING_KEY)
+    assert "b'u6'" in mismatch.reason and "'u5'" in mismatch.reason
+    assert "no key" in missing.reason and "'u5'" in missing.reason
+    assert batch.error_counts() == {ErrorKind.KEY_MISMATCH: 1, ErrorKind.MISSING_KEY: 1}
+    # a bad value is reported as such, whatever the key
+    (bad,) = decode_batch([record(b"\xc1", key=None)], kind).errors
+    assert bad.kind is ErrorKind.UNDECODABLE
+    # decoding a bare value (produce, replays) has no key to check
+    assert decode_batch([record(value, key=None)], kind, require_key=False).errors == []
+    assert decode_event(value, kind).user_id == "u5"
 
 
 # --- property test: arbitrary and corrupted input never escapes decode_batch -----------
@@ -291,7 +320,7 @@ def test_fuzzed_records_all_come_back_as_event_or_error() -> None:
     def check(batch: list[tuple[object, bytes, tuple]], kind: EventKind) -> None:
         nonlocal fed
         records = [RawRecord(data, hdrs, "t", 0, i) for i, (_, data, hdrs) in enumerate(batch)]
-        decoded = decode_batch(records, kind, max_record_bytes=120)
+        decoded = decode_batch(records, kind, max_record_bytes=120, require_key=False)
         fed += len(records)
         assert len(decoded.events) + len(decoded.errors) == len(records)
         offsets = sorted(
@@ -320,3 +349,9 @@ def test_fuzzed_records_all_come_back_as_event_or_error() -> None:
 
     check()
     assert fed >= FUZZ_RECORDS
+
+
+def test_every_error_kind_is_documented_in_the_contracts() -> None:
+    contracts = Path(__file__).resolve().parents[2] / "docs" / "contracts.md"
+    text = contracts.read_text()
+    assert [k.value for k in ErrorKind if f"| `{k.value}` |" not in text] == []

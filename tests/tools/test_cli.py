@@ -2,52 +2,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from aiokafka import AIOKafkaConsumer
-from aiokafka.structs import ConsumerRecord
+import torch
 
-from streamrec.schemas.codec import RawRecord, decode_batch
-from streamrec.schemas.events import EventKind, InteractionEvent, PlaybackEvent
-from streamrec.tools.cli import main
+from streamrec.schemas.codec import decode_batch
+from streamrec.schemas.events import EventKind, InteractionEvent
+from streamrec.tools.cli import build_parser, effective_config, main
 from streamrec.tools.devbroker import DevBroker
+from tests.tools.topic_reader import as_raw, consume
 
 STREAMREC = Path(sys.executable).with_name("streamrec")  # the installed console script
-
-
-async def consume(
-    bootstrap: str, topic: str, count: int, timeout_s: float = 10.0
-) -> list[ConsumerRecord[bytes, bytes]]:
-    consumer = AIOKafkaConsumer(
-        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
-    )
-    await consumer.start()
-    records: list[ConsumerRecord[bytes, bytes]] = []
-    try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while len(records) < count and loop.time() < deadline:
-            batches = await consumer.getmany(timeout_ms=200)
-            for batch in batches.values():
-                records.extend(batch)
-    finally:
-        await consumer.stop()
-    return records
-
-
-def as_raw(record: ConsumerRecord[bytes, bytes]) -> RawRecord:
-    return RawRecord(
-        value=record.value,
-        headers=tuple(record.headers),
-        topic=record.topic,
-        partition=record.partition,
-        offset=record.offset,
-        key=record.key,
-    )
 
 
 @pytest.mark.broker
@@ -90,61 +59,6 @@ async def _produce_and_decode_one(broker: DevBroker) -> None:
     ]
 
 
-@pytest.mark.broker
-def test_produce_reports_invalid_lines_and_sends_valid_ones(
-    broker: DevBroker,
-    unique_topic: Callable[[str], str],
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    topic = unique_topic("pb")
-    broker.create_topics({topic: 2})
-    lines = [
-        '{"user_id":"u1","item_id":"a","ts_ms":5,"ms_played":900,"duration_ms":1000}',
-        "",
-        '{"user_id":"u2","item_id":"b","ts_ms":-1,"ms_played":1,"duration_ms":2}',
-        "not json",
-        '{"user_id":"u2","item_id":"c","ts_ms":7,"ms_played":1,"duration_ms":2,"x":1}',
-    ]
-    source = tmp_path / "events.jsonl"
-    source.write_text("\n".join(lines) + "\n")
-    status = main(
-        [
-            "produce",
-            "--topic",
-            topic,
-            "--kind",
-            "playback",
-            "--format",
-            "json",
-            "--file",
-            str(source),
-            "--bootstrap-servers",
-            broker.bootstrap_servers,
-        ]
-    )
-    err = capsys.readouterr().err
-    assert status == 1
-    assert "line 3:" in err and "ts_ms" in err and "-1" in err
-    assert "line 4:" in err
-    assert "line 1:" not in err and "line 5:" not in err
-    assert "sent 2" in err and "2 invalid" in err and "1 blank" in err
-
-    records = asyncio.run(consume(broker.bootstrap_servers, topic, 2))
-    assert sorted(r.key for r in records) == [b"u1", b"u2"]
-    assert {dict(r.headers)["content-type"] for r in records} == {b"application/json"}
-    events = decode_batch([as_raw(r) for r in records], EventKind.PLAYBACK).events
-    assert sorted(e.event.item_id for e in events) == ["a", "c"]
-    assert all(isinstance(e.event, PlaybackEvent) for e in events)
-    assert json.loads(next(r.value for r in records if r.key == b"u1")) == {
-        "user_id": "u1",
-        "item_id": "a",
-        "ts_ms": 5,
-        "ms_played": 900,
-        "duration_ms": 1000,
-    }
-
-
 def test_produce_needs_kind_for_unknown_topic(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -181,7 +95,7 @@ def test_export_of_a_missing_model_dir_fails_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     missing = tmp_path / "no-such-model"
-    status = main(["export", "--model-dir", str(missing), "--cache-dir", str(tmp_path / "c")])
+    status = main(["export", "--model", str(missing), "--cache-dir", str(tmp_path / "c")])
     assert status == 1
     assert str(missing) in capsys.readouterr().err
 
@@ -265,3 +179,127 @@ def test_unknown_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
         main(["config", "show", "--bogus"])
     assert exit_.value.code == 2
     assert "--bogus" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- issue 17
+
+
+def run_cli(*argv: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(STREAMREC), *argv], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_help_imports_neither_torch_nor_aiokafka() -> None:
+    """``streamrec --help`` (and the Kafka-only commands' help) stays fast: measured in
+    the issue's report, not here; here: the heavy modules are simply never imported."""
+    probe = (
+        "import sys\n"
+        "from streamrec.tools.cli import build_parser, effective_config, main\n"
+        "for argv in (['--help'], ['run', '--help'], ['produce', '--help'], ['broker', '-h']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in ('torch', 'aiokafka') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["run"], ["(config default: 127.0.0.1:9092)", "model.device", "(config default: auto)"]),
+        (["produce"], ["(default: msgpack)", "--dry-run", "--skip-invalid"]),
+        (["train"], ["(default: 10)", "(default: auto)", "(default: 0)"]),
+        (["eval"], ["(default: 10)", "(default: auto)"]),
+        (["export"], ["(config default: .streamrec-cache/model)", "(config default: auto)"]),
+        (["broker"], ["(default: 4)", "kafka.bootstrap_servers"]),
+        (["demo"], ["(default: 1000.0)", "(default: 3000)", "--ratings"]),
+    ],
+)
+def test_help_shows_the_defaults(
+    argv: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for needle in needles:
+        assert needle in text, needle
+    assert "(default: None)" not in text
+
+
+def test_device_defaults_agree() -> None:
+    """train/eval default to auto like run/export (model.device)."""
+    parser = build_parser()
+    for argv in (["train", "--out", "x"], ["eval", "--model", "x"]):
+        assert parser.parse_args(argv).device == "auto"
+    assert effective_config(parser.parse_args(["run"])).model.device == "auto"
+    assert effective_config(parser.parse_args(["export"])).model.device == "auto"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["train", "--synthetic", "--out", "{tmp}/m", "--device", "gpu"],
+            "streamrec train: error: --device 'gpu': expected one of auto, cpu, cuda",
+        ),
+        (
+            ["eval", "--model", "{tmp}/m", "--device", "gpu"],
+            "streamrec eval: error: --device 'gpu': expected one of auto, cpu, cuda",
+        ),
+        (
+            ["export", "--model", "{tmp}/m", "--device", "gpu"],
+            "streamrec export: error: model.device = 'gpu': must be one of",
+        ),
+        (["run", "--device", "gpu"], "streamrec run: error: model.device = 'gpu': must be one of"),
+    ],
+)
+def test_a_wrong_device_is_one_line_and_status_1(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+@pytest.mark.parametrize("command", ["train", "eval", "export"])
+def test_cuda_on_a_cpu_only_torch_is_one_line_and_status_1(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = ["--out"] if command == "train" else ["--model"]
+    assert main([command, *target, str(tmp_path / "m"), "--device", "cuda"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'cuda': no CUDA device (torch " in err, err
+    assert not (tmp_path / "m").exists()  # stopped before any work
+
+
+def test_run_on_a_taken_http_port_is_one_line_and_status_1(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_cli("run", "--http-port", str(port), "--model", str(tmp_path / "m"))
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"streamrec run: error: http.port = {port}: 0.0.0.0:{port} is already in use "
+        "(pick another with --http-port, or 0 for any free port)\n"
+    )
+
+
+def test_model_dir_is_a_deprecated_alias_of_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = str(tmp_path / "no-such-model")
+    cache = ["--cache-dir", str(tmp_path / "c"), "--device", "cpu"]
+    assert main(["export", "--model", missing, *cache]) == 1
+    assert "is deprecated" not in capsys.readouterr().err
+    assert main(["export", "--model-dir", missing, *cache]) == 1
+    err = capsys.readouterr().err
+    assert "--model-dir is deprecated; use --model" in err and missing in err

@@ -147,7 +147,8 @@ def worker_config(
 class Stream:
     """What was produced, to check the end state against."""
 
-    records: list[tuple[str, bytes, bytes]] = field(default_factory=list)  # topic, key, value
+    # topic, key, value
+    records: list[tuple[str, bytes | None, bytes]] = field(default_factory=list)
     valid: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # user -> events
     malformed: dict[bytes, str] = field(default_factory=dict)  # value -> expected kind
     # user -> (topic, event time) in produce order; times increase per user, so within
@@ -184,14 +185,25 @@ def make_stream(
             ErrorKind.UNKNOWN_ACTION,
         ),
         (b'{"pad": "' + b"x" * MAX_RECORD_BYTES + b'", "n": %d}', ErrorKind.OVERSIZED),
+        # valid values whose Kafka key breaks "one user, one partition"
+        (
+            b'{"user_id": "u0", "item_id": "i1", "ts_ms": %d, "action": "save"}',
+            ErrorKind.KEY_MISMATCH,
+        ),
+        (
+            b'{"user_id": "u0", "item_id": "i1", "ts_ms": %d, "action": "hide"}',
+            ErrorKind.MISSING_KEY,
+        ),
     ]
+    bad_keys = {ErrorKind.KEY_MISMATCH: b"u0-elsewhere", ErrorKind.MISSING_KEY: None}
     for n in range(n_events):
         user = f"u{int(rng.integers(n_users))}"
         if rng.random() < malformed_fraction:
             template, kind = bad_kinds[n % len(bad_kinds)]
             value = template % n
             stream.malformed[value] = kind.value
-            stream.records.append((topics.interaction, user.encode(), value))
+            key = bad_keys.get(kind, user.encode())
+            stream.records.append((topics.interaction, key, value))
             continue
         ts[user] += int(rng.integers(1_000, 600_000))
         item = f"i{int(rng.integers(num_items))}" if rng.random() < 0.95 else f"new{n}"
@@ -211,7 +223,9 @@ def make_stream(
     return stream
 
 
-async def produce(bootstrap: str, records: list[tuple[str, bytes, bytes]], rate: float = 0) -> None:
+async def produce(
+    bootstrap: str, records: list[tuple[str, bytes | None, bytes]], rate: float = 0
+) -> None:
     """Send the records (keyed, content-type only on valid msgpack), optionally paced."""
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
     await producer.start()

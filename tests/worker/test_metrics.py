@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from streamrec.cache.stats import BlockPoolStats, HostTierStats, KVTiersStats
 from streamrec.worker.metrics import WorkerMetrics
 
 README = Path(__file__).resolve().parents[2] / "deploy" / "README.md"
@@ -28,3 +29,58 @@ def test_cumulative_stats_become_counter_increments() -> None:
     metrics.set_lag({("pb", 1): 3})
     assert metrics.sample("streamrec_consumer_lag", {"topic": "pb", "partition": "0"}) is None
     assert metrics.sample("streamrec_consumer_lag", {"topic": "pb", "partition": "1"}) == 3.0
+
+
+def pool_stats(evictions: int = 0) -> BlockPoolStats:
+    return BlockPoolStats(
+        num_blocks=8, block_size=16, blocks_used=3, blocks_free=5, users=2, pinned_users=0,
+        tokens=40, allocs=3, frees=0, evictions=evictions, evicted_blocks=0, trimmed_blocks=0,
+        no_room=0,
+    )  # fmt: skip
+
+
+def host_stats() -> HostTierStats:
+    return HostTierStats(
+        num_blocks=4, blocks_used=1, users=1, offloads=2, onloads=1, drops=1,
+        bytes_offloaded=0, bytes_onloaded=0,
+    )  # fmt: skip
+
+
+def tier_labels(metrics: WorkerMetrics) -> set[str]:
+    text = metrics.render()[0].decode()
+    return set(re.findall(r'^streamrec_cache_\w+_total\{tier="(\w+)"\}', text, re.M))
+
+
+def test_model_info_names_the_served_model_version_and_backend() -> None:
+    metrics = WorkerMetrics()
+    metrics.set_model("hstu", "8ae5384748df", "aoti", "cuda")
+    labels = {"name": "hstu", "version": "8ae5384748df", "backend": "aoti"}
+    assert metrics.sample("streamrec_model_info", labels) == 1.0
+    assert metrics.sample("streamrec_model_backend", {"backend": "aoti"}) == 1.0
+    metrics.set_model("hstu", "0123456789ab", "eager", "cuda")  # a reload replaces the series
+    text = metrics.render()[0].decode()
+    assert text.count("streamrec_model_info{") == 1 and 'version="0123456789ab"' in text
+
+
+def test_tier_series_exist_only_for_tiers_the_worker_has() -> None:
+    cpu = WorkerMetrics()
+    cpu.set_model("hstu", "v1", "eager", "cpu")
+    assert tier_labels(cpu) == {"cpu"}  # the KV pool of a CPU worker, at 0 from the start
+    cpu.sync_caches(KVTiersStats(4, 0, 2, 0, pool_stats(1), None), None)
+    assert tier_labels(cpu) == {"cpu"}  # no gpu, no host tier
+    assert cpu.sample("streamrec_cache_hits_total", {"tier": "cpu"}) == 4.0
+    assert cpu.sample("streamrec_cache_misses_total", {"tier": "cpu"}) == 2.0
+
+    gpu = WorkerMetrics()
+    gpu.set_model("hstu", "v1", "eager", "cuda")
+    assert tier_labels(gpu) == {"gpu"}
+    gpu.sync_caches(KVTiersStats(4, 1, 2, 0, pool_stats(), host_stats()), None)
+    assert tier_labels(gpu) == {"gpu", "host"}
+    assert gpu.sample("streamrec_cache_misses_total", {"tier": "gpu"}) == 3.0
+
+
+def test_invalid_counts_sum_the_topics_by_kind() -> None:
+    metrics = WorkerMetrics()
+    metrics.invalid("pb", {"key_mismatch": 2, "undecodable": 1})
+    metrics.invalid("ia", {"key_mismatch": 1, "missing_key": 4})
+    assert metrics.invalid_counts() == {"key_mismatch": 3, "undecodable": 1, "missing_key": 4}
