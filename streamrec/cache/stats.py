@@ -91,17 +91,26 @@ class HistoryStoreStats:
 
 @dataclass(frozen=True)
 class EmbeddingCacheStats:
-    """Item-embedding cache: hot rows on the device, full table in host memory."""
+    """Item-embedding cache: hot rows in device slots, the full table in host memory.
+
+    A lookup is one item row asked for by a model call (a token or a candidate); a miss is
+    one distinct row copied host -> device, so ``bytes_copied`` is misses x row bytes.
+    """
 
     num_items: int
     num_slots: int  # rows the device holds (== num_items when fully resident)
     resident: int
     fully_resident: bool
-    hits: int  # distinct items per lookup found on the device
-    misses: int
+    lookups: int
+    misses: int  # distinct rows copied in, per call
     evictions: int
+    copies: int  # host -> device copy calls (one per model call with misses, or chunk)
     bytes_copied: int  # host -> device bytes for cold rows
     device_bytes: int
+
+    @property
+    def hits(self) -> int:
+        return self.lookups - self.misses
 
     @property
     def occupancy(self) -> float:
@@ -109,4 +118,23 @@ class EmbeddingCacheStats:
 
     @property
     def hit_rate(self) -> float:
-        return _ratio(self.hits, self.hits + self.misses)
+        return _ratio(self.hits, self.lookups)
+
+
+@dataclass(frozen=True)
+class RetrievalSetStats:
+    """The retrievable set: the items retrieval scores when the catalogue does not fit."""
+
+    size: int
+    num_items: int
+    events: int  # new events observed
+    events_in_set: int  # of those, events whose item was a member at the time
+    refreshes: int
+    swapped: int  # items that entered the set by refreshes (cumulative)
+    last_refresh_s: float
+    device_bytes: int
+
+    @property
+    def coverage(self) -> float:
+        """Share of observed events whose item retrieval could have returned."""
+        return _ratio(self.events_in_set, self.events)

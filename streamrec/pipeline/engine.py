@@ -35,6 +35,7 @@ from streamrec.cache.kv_tiers import CacheOutcome, KVTiers
 from streamrec.errors import PipelineError, StoreError
 from streamrec.models.vocabulary import ItemVocabulary
 from streamrec.pipeline.delta import SourceOffset, UserDelta
+from streamrec.pipeline.item_catalog import ItemCatalog
 from streamrec.pipeline.micro_batcher import Batch
 from streamrec.pipeline.model_step import ModelStep, StepTimings, UserOutput, UserWork
 from streamrec.pipeline.scorer import Scorer, ScoringConfig
@@ -109,17 +110,21 @@ class Engine:
         vocab: ItemVocabulary,
         task_names: Sequence[str],
         config: EngineConfig,
+        catalog: ItemCatalog | None = None,
     ) -> None:
         self.config = config
         self.tiers = tiers
+        self.catalog = catalog  # the item table past the GPU budget (issue 20)
         self.store = store
         self.vocab = vocab
         self.device = tiers.cache.device
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         sync = torch.cuda.synchronize if cuda else None
-        self.scorer = Scorer(model, tiers.cache, config.scoring, task_names, sync=sync)
-        self.step = ModelStep(model, tiers, self.scorer, self.device, sync=sync)
+        self.scorer = Scorer(
+            model, tiers.cache, config.scoring, task_names, sync=sync, catalog=catalog
+        )
+        self.step = ModelStep(model, tiers, self.scorer, self.device, sync=sync, catalog=catalog)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="streamrec-engine")
         self._users: dict[str, _UserState] = {}
         self._stats = EngineStats(backend=config.backend)
@@ -159,7 +164,10 @@ class Engine:
                 work.append(self._rebuild_work(user, history))
 
         loop = asyncio.get_running_loop()
-        outputs, timings = await loop.run_in_executor(self._executor, self._run_step, work)
+        new_items = np.concatenate([t[:, 0] for t in tokens.values()]) if tokens else None
+        outputs, timings = await loop.run_in_executor(
+            self._executor, self._run_step, work, new_items
+        )
         if timings.lost:
             lost = await self._with_retry("get", self.store.get, timings.lost)
             redo = [self._rebuild_work(user, h) for user, h in lost.items() if len(h)]
@@ -195,6 +203,8 @@ class Engine:
     async def close(self) -> None:
         self._closing = True
         self._executor.shutdown(wait=True)
+        if self.catalog is not None:
+            self.catalog.close()
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -238,17 +248,26 @@ class Engine:
         self._users[user] = _UserState(total=history.total_appended, recent=recent)
         return UserWork(user, tokens.astype(np.int64), True, recent, history.total_appended)
 
-    def _run_step(self, work: list[UserWork]) -> tuple[list[UserOutput], StepTimings]:
+    def _run_step(
+        self, work: list[UserWork], new_items: np.ndarray | None = None
+    ) -> tuple[list[UserOutput], StepTimings]:
         with torch.inference_mode():
             if self._stream is None:
-                outputs, timings = self.step.run(work)
+                outputs, timings = self._step(work, new_items)
             else:
                 with torch.cuda.stream(self._stream):
-                    outputs, timings = self.step.run(work)
+                    outputs, timings = self._step(work, new_items)
                 self._stream.synchronize()
         for user in timings.dropped:  # gone from every tier: next time is a rebuild
             self._users.pop(user, None)
         return outputs, timings
+
+    def _step(
+        self, work: list[UserWork], new_items: np.ndarray | None
+    ) -> tuple[list[UserOutput], StepTimings]:
+        if self.catalog is not None and new_items is not None:
+            self.catalog.observe(new_items)  # may apply a set refresh: engine stream
+        return self.step.run(work)
 
     def _drop(self, users: list[str]) -> None:
         self.tiers.drop(users)

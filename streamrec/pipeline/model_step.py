@@ -19,6 +19,7 @@ import torch
 from streamrec.cache.block_pool import NoRoom
 from streamrec.cache.kv_tiers import Admission, CacheOutcome, KVTiers
 from streamrec.errors import PipelineError
+from streamrec.pipeline.item_catalog import ItemCatalog
 from streamrec.pipeline.scorer import ScoredUsers, Scorer
 from streamrec.pipeline.serving_model import ServingModel
 
@@ -95,6 +96,7 @@ class ModelStep:
         scorer: Scorer,
         device: torch.device,
         sync: Callable[[], None] | None = None,
+        catalog: ItemCatalog | None = None,
     ) -> None:
         self.model = model
         self.tiers = tiers
@@ -102,6 +104,7 @@ class ModelStep:
         self.device = device
         # Phase timings are only honest if the device has finished the phase's kernels.
         self._sync = sync or (lambda: None)
+        self.catalog = catalog  # set: item rows become embedding-cache slots per call
 
     def run(self, work: Sequence[UserWork]) -> tuple[list[UserOutput], StepTimings]:
         timings = StepTimings()
@@ -183,7 +186,9 @@ class ModelStep:
         ]
 
     def _jagged(self, work: list[UserWork]) -> tuple[torch.Tensor, ...]:
-        tokens = np.concatenate([w.tokens for w in work])  # [T, 3]
+        tokens = np.concatenate([w.tokens for w in work])  # [T, 3], a fresh array
+        if self.catalog is not None:
+            tokens[:, 0] = self.catalog.slots(tokens[:, 0])
         lengths = np.fromiter((w.tokens.shape[0] for w in work), np.int64, len(work))
         offsets = np.zeros(len(work) + 1, dtype=np.int64)  # [B+1]
         np.cumsum(lengths, out=offsets[1:])

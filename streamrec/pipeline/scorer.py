@@ -19,6 +19,7 @@ from streamrec.errors import ConfigError
 from streamrec.pipeline.serving_model import ServingModel
 
 if TYPE_CHECKING:
+    from streamrec.pipeline.item_catalog import ItemCatalog
     from streamrec.pipeline.model_step import StepTimings
 
 
@@ -67,6 +68,7 @@ class Scorer:
         config: ScoringConfig,
         task_names: Sequence[str],
         sync: Callable[[], None] | None = None,
+        catalog: ItemCatalog | None = None,
     ) -> None:
         unknown = sorted(set(config.task_weights) - set(task_names))
         if unknown:
@@ -78,6 +80,14 @@ class Scorer:
         weights = [float(config.task_weights.get(name, 0.0)) for name in self.task_names]
         self._weights = torch.tensor(weights, dtype=torch.float32, device=cache.device)  # [tasks]
         self._sync = sync or (lambda: None)
+        # Past the GPU budget: retrieval over the retrievable set, rank inputs as slots.
+        self.catalog = catalog
+        pool = config.num_candidates or config.top_k
+        if catalog is not None and catalog.size < pool:
+            raise ConfigError(
+                f"the retrievable set holds {catalog.size} items, fewer than the {pool} "
+                "candidates retrieval must return"
+            )
 
     def score(
         self,
@@ -96,9 +106,12 @@ class Scorer:
         for row, rows in enumerate(recent):
             exclude[row, : len(rows)] = rows
         pool = cfg.num_candidates or cfg.top_k
-        ret_scores, ret_items = self.model.retrieve(
-            user_emb, pool, torch.from_numpy(exclude).to(device)
-        )  # [B, pool] each
+        if self.catalog is None:
+            ret_scores, ret_items = self.model.retrieve(
+                user_emb, pool, torch.from_numpy(exclude).to(device)
+            )  # [B, pool] each
+        else:
+            ret_scores, ret_items = self.catalog.retrieve(user_emb, pool, exclude)
         self._sync()
         timings.retrieve += time.perf_counter() - start
         if not cfg.num_candidates:
@@ -111,8 +124,9 @@ class Scorer:
         start = time.perf_counter()
         tables, lens = self.cache.batch_tables(list(users))  # [B, MB], [B]
         ts = torch.tensor(list(query_ts), dtype=torch.int64, device=device)  # [B]
+        cands = ret_items if self.catalog is None else self.catalog.candidate_slots(ret_items)
         probs = self.model.rank(
-            ret_items, ts, self.cache.kv, self.cache.ts, tables, lens
+            cands, ts, self.cache.kv, self.cache.ts, tables, lens
         ).float()  # [B, pool, tasks]
         combined = probs @ self._weights  # [B, pool]
         top_scores, order = torch.topk(combined, cfg.top_k, dim=1)  # [B, top_k]
