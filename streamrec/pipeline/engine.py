@@ -82,6 +82,7 @@ class EngineStats:
     events: int = 0
     gpu_hits: int = 0
     host_hits: int = 0
+    disk_hits: int = 0
     misses: int = 0
     rebuilds_after_redelivery: int = 0
     rebuilds_after_burst: int = 0
@@ -215,6 +216,7 @@ class Engine:
         self, users: list[UserDelta], tokens: dict[str, np.ndarray], appended: AppendResult
     ) -> tuple[list[UserWork], list[str]]:
         where = self.tiers.resolve(ud.user_id for ud in users)
+        self.tiers.prefetch(u for u, w in where.items() if w is CacheOutcome.DISK_HIT)
         work: list[UserWork] = []
         rebuild: list[str] = []
         keep = self.config.scoring.exclude_recent
@@ -332,6 +334,8 @@ class Engine:
                 s.gpu_hits += 1
             elif out.outcome is CacheOutcome.HOST_HIT:
                 s.host_hits += 1
+            elif out.outcome is CacheOutcome.DISK_HIT:
+                s.disk_hits += 1
             else:
                 s.misses += 1
         s.tokens_prefilled += timings.tokens_prefilled

@@ -117,7 +117,7 @@ class ModelStep:
         start = time.perf_counter()
         rebuild = [w.user_id for w in work if w.prefill]
         self.tiers.drop(rebuild)  # a stale entry must not survive a rebuild
-        where = self.tiers.resolve(w.user_id for w in work if not w.prefill)
+        where = self.tiers.settle(w.user_id for w in work if not w.prefill)  # disk: verified
         lost = {user for user, outcome in where.items() if outcome is CacheOutcome.MISS}
         if lost:
             timings.lost.extend(sorted(lost))
