@@ -22,12 +22,15 @@ from streamrec.pipeline.scorer import ScoringConfig
 from tests.pipeline.test_engine import _batches, _model, _stream
 
 SCORING = ScoringConfig(top_k=8, num_candidates=16, exclude_recent=4)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _engine(model: HSTU, vocab: ItemVocabulary, catalog: ItemCatalog | None) -> Engine:
+def _engine(
+    model: HSTU, vocab: ItemVocabulary, catalog: ItemCatalog | None, device: str = "cpu"
+) -> Engine:
     cfg = model.config
     geometry = KVCacheConfig(cfg.num_layers, cfg.num_heads, cfg.head_dim, 4, torch.float32)
-    tiers = KVTiers(KVCache(geometry, 800, "cpu"), None, cfg.max_seq_len)
+    tiers = KVTiers(KVCache(geometry, 800, device), None, cfg.max_seq_len)
     return Engine(
         model,
         tiers,
@@ -39,24 +42,30 @@ def _engine(model: HSTU, vocab: ItemVocabulary, catalog: ItemCatalog | None) -> 
     )
 
 
-def _catalog(model: HSTU, slots: int, set_size: int | None = None) -> ItemCatalog:
+def _catalog(
+    model: HSTU, slots: int, set_size: int | None = None, device: str = "cpu"
+) -> ItemCatalog:
     cfg = model.config
-    table = model.item_emb.weight.detach().clone()  # [V, D] host
+    table = model.item_emb.weight.detach().cpu().clone()  # [V, D] host
     first = cfg.first_item_row
     size = cfg.num_items - first if set_size is None else set_size
-    embeddings = EmbeddingCache(table, "cpu", num_slots=slots, staging_rows=64)
-    retrievable = RetrievalSet(table, "cpu", size, first, refresh_events=50)
+    embeddings = EmbeddingCache(table, device, num_slots=slots, staging_rows=64)
+    retrievable = RetrievalSet(table, device, size, first, refresh_events=50)
     return ItemCatalog(embeddings, retrievable)
 
 
-async def test_embedding_cache_engine_outputs_equal_the_all_gpu_table() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+async def test_embedding_cache_engine_outputs_equal_the_all_gpu_table(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     model, vocab = _model(num_known=1500)
+    model = model.to(device)
     cached_model = copy.deepcopy(model)
-    catalog = _catalog(cached_model, slots=600)
+    catalog = _catalog(cached_model, slots=600, device=device)
     catalog.bind(cached_model)
     assert cached_model.item_emb.weight.data_ptr() == catalog.embeddings.rows.data_ptr()
-    plain = _engine(model, vocab, None)
-    cached = _engine(cached_model, vocab, catalog)
+    plain = _engine(model, vocab, None, device)
+    cached = _engine(cached_model, vocab, catalog, device)
     compared = 0
     for batch in _batches(_stream(1_200, 40, 1500, seed=4), events_per_batch=8):
         want = {r.user_id: r.recommendation for r in await plain.process(batch)}
