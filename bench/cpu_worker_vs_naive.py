@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from bench._report import print_table, write_results
-from streamrec.cache.history_store import History, open_history_store
+from streamrec.cache.history_backends import open_history_store
+from streamrec.cache.history_store import History
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.cache.kv_tiers import KVTiers
 from streamrec.errors import BrokerError, ConfigError
@@ -47,13 +48,14 @@ from streamrec.pipeline.micro_batcher import Batch, BatcherClosed, BatcherConfig
 from streamrec.pipeline.reference import full_recompute
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import Event, InteractionEvent, PlaybackEvent
-from streamrec.schemas.records import Recommendation
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
 from streamrec.tools.demo import train_demo_model, worker_config
 from streamrec.tools.devbroker import DevBroker
-from streamrec.worker.app import App, serving_scoring
+from streamrec.worker.app import App
 from streamrec.worker.config import WorkerConfig
 from streamrec.worker.model_loader import LoadedModel, load_model
+from streamrec.worker.serving_pipeline import Published
+from streamrec.worker.serving_stack import serving_scoring
 
 _DURATION_MS = 200_000
 _PLAYED_MS = (190_000, 100_000, 10_000)  # complete, partial, skip
@@ -163,7 +165,7 @@ def _row(
 def run_naive(setup: Setup, limit: int) -> dict[str, object]:
     """Per event: append to a Python list, recompute the user from the whole window."""
     hstu = setup.loaded.checkpoint.config
-    scoring = serving_scoring(setup.config.model, hstu)
+    scoring = serving_scoring(setup.config.scoring, hstu)
     vocab = setup.vocab
     histories: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
 
@@ -216,7 +218,10 @@ async def _batches(setup: Setup, flood: bool) -> list[Batch]:
     out: list[Batch] = []
     for offset, event in enumerate(setup.events):
         kind = "interaction" if isinstance(event, InteractionEvent) else "playback"
-        batcher.submit(Delta.from_event(event, kind, 0, offset))
+        delta = Delta(
+            event.user_id, event.item_id, event.token_action, event.ts_ms, kind, 0, offset
+        )
+        batcher.submit(delta)
         if not flood and batcher.stats().queue_depth_users >= b.max_batch_users:
             out.append(await batcher.next_batch())
     batcher.close()
@@ -244,7 +249,7 @@ def _engine(setup: Setup) -> Engine:
             model_name=setup.loaded.checkpoint.model_name,
             model_version=setup.loaded.checkpoint.version,
             backend=setup.loaded.backend,
-            scoring=serving_scoring(setup.config.model, hstu),
+            scoring=serving_scoring(setup.config.scoring, hstu),
         ),
     )
 
@@ -295,10 +300,10 @@ class _Acks:
         self.enqueue_latencies: list[float] = []
         self.last_ack = 0.0
 
-    def __call__(self, rec: Recommendation, latency_s: float) -> None:
+    def __call__(self, rec: Published) -> None:
         now = time.monotonic()
         self.last_ack = now
-        self.enqueue_latencies.append(latency_s)
+        self.enqueue_latencies.append(rec.latency_s)
         seen = self.covered[rec.user_id]
         for n in self.by_user[rec.user_id][seen : rec.version]:
             self.latencies.append(now - self.sent_at[n])
@@ -421,7 +426,7 @@ async def _run(ns: argparse.Namespace) -> int:
             "max_seq_len": hstu.max_seq_len,
             "num_items": hstu.num_items,
         },
-        "scoring": vars(serving_scoring(config.model, hstu)),
+        "scoring": vars(serving_scoring(config.scoring, hstu)),
         "torch_threads": torch.get_num_threads(),
         "load_average_before_after": [load_before, os.getloadavg()],
         "engine": {str(r["path"]): d for r, d in engine_rows},

@@ -22,7 +22,8 @@ import torch
 
 from bench._report import print_table, write_results
 from bench.reference_config import HSTU_3L, HSTU_8L, ReferenceWorkload
-from streamrec.cache.history_store import HistoryEvent, HistoryStore, Token, open_history_store
+from streamrec.cache.history_backends import open_history_store
+from streamrec.cache.history_store import HistoryEvent, HistoryStore, Token
 from streamrec.cache.host_tier import HostTier
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.cache.kv_tiers import KVTiers
@@ -32,7 +33,7 @@ from streamrec.models.vocabulary import ItemVocabulary
 from streamrec.pipeline.delta import Delta, UserDelta
 from streamrec.pipeline.engine import Engine, EngineConfig
 from streamrec.pipeline.micro_batcher import Batch, ReleaseReason
-from streamrec.pipeline.scorer import ScoringConfig
+from streamrec.pipeline.scoring_config import ScoringConfig
 
 SMALL = ReferenceWorkload(
     name="small",

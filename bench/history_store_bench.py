@@ -19,7 +19,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from streamrec.cache.history_store import HistoryEvent, HistoryStore, Token, open_history_store
+from streamrec.cache.history_backends import open_history_store
+from streamrec.cache.history_store import HistoryEvent, HistoryStore, Token
 from streamrec.errors import StoreError
 
 RESULTS = Path(__file__).parent / "results" / "history_store_bench.json"

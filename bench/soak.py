@@ -44,11 +44,14 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 from bench._report import print_table, write_results
-from streamrec.cache.history_store import HistoryEvent, Token, open_history_store
+from streamrec.cache.history_backends import open_history_store
+from streamrec.cache.history_store import HistoryEvent, Token
 from streamrec.models.checkpoint import save_checkpoint
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
 from streamrec.models.vocabulary import ItemVocabulary
+from streamrec.pipeline.micro_batcher import BatcherConfig
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import InteractionEvent, PlaybackEvent
 from streamrec.schemas.records import Recommendation
@@ -56,7 +59,6 @@ from streamrec.schemas.wire import CONTENT_TYPE_HEADER
 from streamrec.tools.cli import render_toml
 from streamrec.tools.devbroker import DevBroker, free_port
 from streamrec.worker.config import (
-    BatchingConfig,
     CacheConfig,
     GroupConfig,
     HttpConfig,
@@ -151,9 +153,10 @@ def worker_config(bootstrap: str, model_dir: Path, args: SoakArgs, http_port: in
         kafka=KafkaConfig(bootstrap_servers=bootstrap, client_id="streamrec-soak"),
         topics=TopicsConfig(),
         group=GroupConfig(group_id="streamrec-soak", commit_interval_ms=1_000),
-        batching=BatchingConfig(max_batch_users=64, max_wait_ms=5.0),
+        batching=BatcherConfig(max_batch_users=64, max_wait_ms=5.0),
+        scoring=ScoringConfig(num_candidates=64, top_k=10),
         cache=CacheConfig(kv_budget_bytes=args.kv_budget_bytes, host_tier_bytes=0),
-        model=ModelConfig(model_dir=model_dir, device="cpu", num_candidates=64, top_k=10),
+        model=ModelConfig(model_dir=model_dir, device="cpu"),
         store=StoreConfig(url=args.store_url),
         http=HttpConfig(host="127.0.0.1", port=http_port),
         log=LogConfig(format="json", level="WARNING"),

@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import multiprocessing as mp
 import sys
 import time
@@ -58,15 +59,15 @@ import torch
 
 from bench._report import RESULTS_DIR, print_table, write_results
 from bench.engine_bench import SMALL, WORKLOADS, _model, _preload
+from bench.null_model import NULL_GEOMETRY, null_checkpoint_parts
 from bench.reference_config import ReferenceWorkload
-from streamrec.cache.history_store import open_history_store
+from streamrec.cache.history_backends import open_history_store
 from streamrec.cache.kv_cache import KVCacheConfig, free_memory_bytes
 from streamrec.errors import BrokerError, ConfigError
 from streamrec.models.checkpoint import Checkpoint
 from streamrec.models.paged_attention import triton_available
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import PlaybackEvent
-from streamrec.schemas.records import Recommendation
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
 from streamrec.tools.devbroker import DevBroker
 from streamrec.worker import config as wc
@@ -89,49 +90,77 @@ class Job:
     ts_ms: IntArray | None = None  # [E]
 
 
-def producer_process(bootstrap: str, topic: str, num_items: int, conn: Connection) -> None:
+def producer_process(
+    bootstrap: str, topic: str, num_items: int, partitions: int, conn: Connection
+) -> None:
     """The spawned producer: runs the jobs read from ``conn`` until None comes."""
-    asyncio.run(_producer_loop(bootstrap, topic, num_items, conn))
+    asyncio.run(_producer_loop(bootstrap, topic, num_items, partitions, conn))
 
 
-async def _producer_loop(bootstrap: str, topic: str, num_items: int, conn: Connection) -> None:
+async def _producer_loop(
+    bootstrap: str, topic: str, num_items: int, partitions: int, conn: Connection
+) -> None:
     from aiokafka import AIOKafkaProducer
 
     producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_batch_size=1 << 18
+        bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_batch_size=1 << 20
     )
     await producer.start()
     loop, rng = asyncio.get_running_loop(), np.random.default_rng(1)
     try:
         while (job := await loop.run_in_executor(None, conn.recv)) is not None:
             items = rng.integers(num_items, size=len(job.users))
-            conn.send(await _send_job(producer, topic, job, items))
+            conn.send(await _send_job(producer, topic, partitions, job, items))
     finally:
         await producer.stop()
 
 
-async def _send_job(producer: Any, topic: str, job: Job, items: IntArray) -> dict[str, float]:
+async def _send_job(
+    producer: Any, topic: str, partitions: int, job: Job, items: IntArray
+) -> dict[str, float]:
+    """Send the job's events keyed by user, in per-partition batches (aiokafka's batch API:
+    one ``send`` per record costs ~25 µs in Python and capped this producer near 35k/s)."""
+    from aiokafka.partitioner import murmur2
+
     headers = [(CONTENT_TYPE_HEADER, WireFormat.MSGPACK.content_type.encode())]
     n, sent, max_lag_ms = len(job.users), 0, 0.0
+    keys = {int(u): f"u{u}".encode() for u in np.unique(job.users)}
+    part = {u: (murmur2(k) & 0x7FFFFFFF) % partitions for u, k in keys.items()}
+    acks: list[asyncio.Future[Any]] = []
     started = time.time()
     while sent < n:
         now_ms = time.time() * 1000.0
         if job.ts_ms is None:
-            due = min(sent + 1_000, n)
+            due = min(sent + 2_000, n)
         else:
             due = int(np.searchsorted(job.ts_ms, now_ms, side="right"))
             if due == sent:  # nothing due yet: sleep until the next event's time
                 await asyncio.sleep(max(float(job.ts_ms[sent]) - now_ms, 0.0) / 1000.0)
                 continue
             max_lag_ms = max(max_lag_ms, now_ms - float(job.ts_ms[sent]))
-        for k in range(sent, due):
-            user = f"u{job.users[k]}"
-            ts = int(now_ms) if job.ts_ms is None else int(job.ts_ms[k])
-            event = PlaybackEvent(user, f"i{items[k]}", ts, _PLAYED_MS, _DURATION_MS)
-            await producer.send(topic, encode_event(event), key=user.encode(), headers=headers)
+        batches: dict[int, Any] = {}
+        users, stamps = job.users[sent:due].tolist(), None
+        if job.ts_ms is not None:
+            stamps = job.ts_ms[sent:due].tolist()
+        for j, user in enumerate(users):
+            ts = int(now_ms) if stamps is None else stamps[j]
+            value = encode_event(
+                PlaybackEvent(f"u{user}", f"i{items[sent + j]}", ts, _PLAYED_MS, _DURATION_MS)
+            )
+            p = part[user]
+            batch = batches.get(p)
+            if batch is None:
+                batch = batches[p] = producer.create_batch()
+            if batch.append(key=keys[user], value=value, timestamp=None, headers=headers) is None:
+                acks.append(await producer.send_batch(batch, topic, partition=p))
+                batch = batches[p] = producer.create_batch()
+                batch.append(key=keys[user], value=value, timestamp=None, headers=headers)
+        for p, batch in batches.items():
+            acks.append(await producer.send_batch(batch, topic, partition=p))
         sent = due
+        await asyncio.sleep(0)
     sent_at = time.time()
-    await producer.flush()
+    await asyncio.gather(*acks)
     first = started if job.ts_ms is None else float(job.ts_ms[0]) / 1000.0
     rate = n / max(sent_at - first, 1e-9)
     return {"events": n, "events_per_s": rate, "max_lag_ms": max_lag_ms}
@@ -144,8 +173,11 @@ class AckLog:
     def __init__(self) -> None:
         self.rows: list[tuple[str, int, float, float]] = []
 
-    def __call__(self, rec: Recommendation, latency_s: float) -> None:
-        self.rows.append((rec.user_id, rec.version, time.time(), latency_s))
+    def __call__(self, published: Any, latency_s: float | None = None) -> None:
+        # ``Published`` now; ``(Recommendation, latency)`` from the worker before issue 13,
+        # which this bench also drives for the before/after ratio (``--before`` tree).
+        latency = published.latency_s if latency_s is None else latency_s
+        self.rows.append((published.user_id, published.version, time.time(), latency))
 
 
 class EventBook:
@@ -173,6 +205,47 @@ class EventBook:
         return out
 
 
+def latency_split(app: App, start: float, end: float) -> Row:
+    """p50/p99 ms per event of each stage an event goes through (``BatchTrace``), over the
+    batches released in ``[start, end)`` (monotonic): queue wait (batcher enqueue to
+    release), batch wait (release to the engine thread: the store append and the previous
+    step), step, encode, publish (step done to handed to the producer, encode included),
+    produce-ack, commit (acknowledged to the next successful commit)."""
+    pipeline = getattr(app, "pipeline", None)
+    checkpoint = getattr(app, "checkpoint", None)
+    if pipeline is None or checkpoint is None:
+        return {}  # the worker before issue 13 records no traces
+    traces = [t for t in pipeline.stats.traces if start <= t.released < end and t.acked]
+    if not traces:
+        return {}
+    commits = np.array(sorted(checkpoint.commit_times))
+    weights = np.array([t.n_events for t in traces])
+
+    def per_event(values: Sequence[float]) -> np.ndarray:
+        return np.repeat(np.asarray(values, dtype=np.float64), weights)
+
+    after_ack = np.searchsorted(commits, [t.acked for t in traces])
+    committed = [
+        commits[i] - t.acked if i < len(commits) else np.nan
+        for i, t in zip(after_ack, traces, strict=True)
+    ]
+    stages = {
+        "queue_wait": np.concatenate([t.queue_waits for t in traces]),
+        "batch_wait": per_event([t.taken - t.released for t in traces]),
+        "step": per_event([t.executed - t.taken for t in traces]),
+        "encode": per_event([t.encode_s for t in traces]),
+        "publish": per_event([t.handed - t.executed for t in traces]),
+        "produce_ack": per_event([t.acked - t.handed for t in traces]),
+        "commit": per_event(committed),
+    }
+    split: Row = {}
+    for name, values in stages.items():
+        values = values[np.isfinite(values)] * 1000.0
+        split[f"{name}_p50_ms"] = _pct(values.tolist(), 50)
+        split[f"{name}_p99_ms"] = _pct(values.tolist(), 99)
+    return {"split_ms": split}
+
+
 def _pct(values: Sequence[float], q: float) -> float:
     return round(float(np.percentile(values, q)), 2) if len(values) else 0.0
 
@@ -194,11 +267,14 @@ class Bench:
         """Counters now (a phase's figures are differences of two snaps)."""
         assert self.app.engine is not None
         e, s = self.app.engine.stats(), self.app.stats()
+        # The engine thread's busy time; before issue 13 the phase sum was the closest.
+        busy = getattr(e, "step_seconds", None)
         return dict(
-            wall=time.time(), cpu_s=time.process_time(), completed=s.tracker.completed,
-            published=s.published, acks=len(self.acks.rows), batches=e.batches, users=e.users,
-            gpu_hits=e.gpu_hits, looked_up=e.gpu_hits + e.host_hits + e.misses,
-            phase_s=dict(e.phase_seconds),
+            wall=time.time(), mono=time.monotonic(), cpu_s=time.process_time(),
+            completed=s.tracker.completed, published=s.published, acks=len(self.acks.rows),
+            batches=e.batches, users=e.users, gpu_hits=e.gpu_hits,
+            looked_up=e.gpu_hits + e.host_hits + e.misses, phase_s=dict(e.phase_seconds),
+            busy_s=sum(e.phase_seconds.values()) if busy is None else busy,
         )  # fmt: skip
 
     def send(self, job: Job) -> None:
@@ -254,12 +330,13 @@ class Bench:
             "worker_p50_ms": _pct(worker_ms, 50),
             "worker_p99_ms": _pct(worker_ms, 99),
             "cpu_pct": round(100.0 * d["cpu_s"] / elapsed, 1),
-            "engine_busy_pct": round(0.1 * sum(phase_ms.values()) / elapsed, 1),
+            "engine_busy_pct": round(100.0 * (b["busy_s"] - a["busy_s"]) / elapsed, 1),
             "ms_per_batch": {k: round(v / batches, 3) for k, v in phase_ms.items()},
         }
         if "events_per_s" in producer:
             row["producer_events_per_s"] = producer["events_per_s"]
             row["producer_max_lag_ms"] = round(producer["max_lag_ms"], 1)
+        row |= latency_split(self.app, a["mono"], b["mono"])
         e2p = self.book.latencies_ms(acks)
         if e2p:
             row |= {"e2p_events": len(e2p), "e2p_p50_ms": _pct(e2p, 50)}
@@ -321,16 +398,28 @@ async def paced(bench: Bench, rate: float, users: IntArray, drain: float) -> Row
     return row | {"complete": complete, "sustained": sustained}
 
 
-def loaded_model(w: ReferenceWorkload, device: str) -> LoadedModel:
+def loaded_model(w: ReferenceWorkload, device: str, host_ceiling: bool = False) -> LoadedModel:
+    if host_ceiling:  # the host path alone: a model that does nothing, on the CPU
+        module, null, vocab = null_checkpoint_parts(w.num_items, w.max_seq_len, torch.device("cpu"))
+        checkpoint = Checkpoint(module, vocab, "null", Path("null"), {"model_name": "null"})
+        return LoadedModel(checkpoint, null, "null", torch.device("cpu"))
     model, vocab = _model(w, device)  # random init; bf16 for the reference workloads
     checkpoint = Checkpoint(model, vocab, "random-init", Path(w.name), {"model_name": w.name})
     return LoadedModel(checkpoint, model, "eager", torch.device(device))
 
 
-def kv_budget(w: ReferenceWorkload, plan: Plan) -> tuple[int, int]:
-    """(bytes, blocks) for every user at its final (window-capped) length, +1 block each."""
+def geometry(w: ReferenceWorkload, host_ceiling: bool) -> KVCacheConfig:
+    if host_ceiling:
+        g = NULL_GEOMETRY
+        return KVCacheConfig(
+            g["num_layers"], g["num_heads"], g["head_dim"], BLOCK_SIZE, torch.float32
+        )
     dtype = getattr(torch, w.dtype)
-    geometry = KVCacheConfig(w.num_layers, w.num_heads, w.head_dim, BLOCK_SIZE, dtype)
+    return KVCacheConfig(w.num_layers, w.num_heads, w.head_dim, BLOCK_SIZE, dtype)
+
+
+def kv_budget(w: ReferenceWorkload, plan: Plan, geometry: KVCacheConfig) -> tuple[int, int]:
+    """(bytes, blocks) for every user at its final (window-capped) length, +1 block each."""
     every = np.concatenate([*plan.prime, plan.throughput, *(u for _, u in plan.rates)])
     events = np.bincount(every, minlength=len(plan.lengths)) + 1  # + the warm event
     final = np.minimum(plan.lengths + events, w.max_seq_len)
@@ -339,19 +428,30 @@ def kv_budget(w: ReferenceWorkload, plan: Plan) -> tuple[int, int]:
 
 
 def worker_config(bootstrap: str, w: ReferenceWorkload, ns: argparse.Namespace, kv: int) -> Any:
+    sections: dict[str, Any] = {}
+    batching: dict[str, Any] = {
+        "max_batch_users": ns.max_batch_users,
+        "max_wait_ms": ns.max_wait_ms,
+    }
+    scoring: dict[str, Any] = {"num_candidates": w.num_candidates, "top_k": 20}
+    if hasattr(wc, "BatchingConfig"):  # the worker before issue 13 (``--before`` runs)
+        sections["batching"] = wc.BatchingConfig(**batching)
+        model_extra = scoring
+    else:
+        from streamrec.pipeline.micro_batcher import BatcherConfig
+        from streamrec.pipeline.scoring_config import ScoringConfig
+
+        sections["batching"] = BatcherConfig(**batching)
+        sections["scoring"] = ScoringConfig(**scoring)
+        model_extra = {}
     return wc.WorkerConfig(
         kafka=wc.KafkaConfig(bootstrap, "streamrec-bench", fetch_max_wait_ms=ns.fetch_max_wait_ms),
         group=wc.GroupConfig(group_id="streamrec-worker-bench"),
-        batching=wc.BatchingConfig(max_batch_users=ns.max_batch_users, max_wait_ms=ns.max_wait_ms),
         cache=wc.CacheConfig(kv_budget_bytes=kv, block_size=BLOCK_SIZE, host_tier_bytes=0),
-        model=wc.ModelConfig(
-            device=ns.device,
-            num_candidates=w.num_candidates,
-            top_k=20,
-            cuda_graphs=not ns.no_cuda_graphs,
-        ),
+        model=wc.ModelConfig(device=ns.device, cuda_graphs=not ns.no_cuda_graphs, **model_extra),
         http=wc.HttpConfig(host="127.0.0.1", port=0),
         log=wc.LogConfig(format="text", level="WARNING"),
+        **sections,
     )
 
 
@@ -375,12 +475,16 @@ async def _phases(bench: Bench, plan: Plan, ns: argparse.Namespace) -> list[Row]
 async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
     w: ReferenceWorkload = WORKLOADS[ns.config]
     t0 = time.perf_counter()
-    loaded = loaded_model(w, ns.device)
+    loaded = loaded_model(w, ns.device, ns.host_ceiling)
     build_s = time.perf_counter() - t0
     plan = make_plan(w, ns, np.random.default_rng(ns.seed))
-    budget, blocks = kv_budget(w, plan)
+    budget, blocks = kv_budget(w, plan, geometry(w, ns.host_ceiling))
     reserve = (ns.warm_wave or ns.users) * w.max_seq_len**2 * (w.num_heads * 2 * 4 + 16)
-    if ns.device == "cuda" and budget + reserve > free_memory_bytes(loaded.device):
+    if (
+        ns.device == "cuda"
+        and not ns.host_ceiling
+        and budget + reserve > free_memory_bytes(loaded.device)
+    ):
         raise ConfigError(
             f"KV pool {budget / 2**30:.1f} GiB + warm-up prefill ~{reserve / 2**30:.1f} GiB "
             "exceed the free GPU memory: lower --users or --warm-wave"
@@ -397,7 +501,7 @@ async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
             {t.playback: parts, t.interaction: parts, t.output: parts, t.dead_letter: 1}
         )
         conn, child = ctx.Pipe()
-        args = (broker.bootstrap_servers, t.playback, w.num_items, child)
+        args = (broker.bootstrap_servers, t.playback, w.num_items, parts, child)
         proc = ctx.Process(target=producer_process, args=args, daemon=True)
         proc.start()
         acks = AckLog()
@@ -454,6 +558,20 @@ def _progress(row: Row) -> None:
     print("  ".join(f"{k}={row[k]}" for k in _TABLE if k in row), flush=True)
 
 
+def write_host_ceiling(rows: list[Row], meta: Row, ns: argparse.Namespace) -> Path:
+    """One file for every machine and label: this run's rows replace its (machine, label)."""
+    path = ns.results_dir / "worker_host_ceiling.json"
+    kept: list[Row] = []
+    runs: dict[str, Row] = {}
+    if path.exists():
+        old = json.loads(path.read_text())
+        kept = [r for r in old["rows"] if (r["machine"], r["label"]) != (ns.machine, ns.label)]
+        runs = old["meta"].get("runs", {})
+    tagged = [{"machine": ns.machine, "label": ns.label, **r} for r in rows]
+    runs[f"{ns.machine}/{ns.label}"] = meta
+    return write_results("worker_host_ceiling", kept + tagged, {"runs": runs}, ns.results_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(WORKLOADS), default="hstu-8l")
@@ -474,6 +592,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="serve the eager step")
+    parser.add_argument(
+        "--host-ceiling",
+        action="store_true",
+        help="a null model on the CPU: what the host path alone sustains",
+    )
+    parser.add_argument("--machine", default="", help="host-ceiling rows: the machine's name")
+    parser.add_argument("--label", default="", help="host-ceiling rows: e.g. before / after")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ns = parser.parse_args(argv)
     small = WORKLOADS[ns.config] is SMALL
@@ -489,11 +614,16 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(ns, key) is None:
             setattr(ns, key, value)
     ns.argv = sys.argv[1:] if argv is None else argv
+    if ns.host_ceiling:
+        ns.device = "cpu"  # the null model never touches a GPU
     if ns.threads:
         torch.set_num_threads(ns.threads)
     rows, meta = asyncio.run(_run(ns))
     print_table([{k: r[k] for k in _TABLE if k in r} for r in rows])
-    path = write_results(f"worker_bench_{ns.config}_{ns.device}", rows, meta, ns.results_dir)
+    if ns.host_ceiling:
+        path = write_host_ceiling(rows, meta, ns)
+    else:
+        path = write_results(f"worker_bench_{ns.config}_{ns.device}", rows, meta, ns.results_dir)
     print(f"wrote {path}")
     return 0
 

@@ -5,13 +5,13 @@ The Redis backend is imported only when a ``redis://`` URL is opened.
 
 from streamrec.cache.block_pool import BlockPool, NoRoom, Slots
 from streamrec.cache.embedding_cache import EmbeddingCache
+from streamrec.cache.history_backends import open_history_store
 from streamrec.cache.history_store import (
     AppendResult,
     History,
     HistoryEvent,
     HistoryStore,
     Token,
-    open_history_store,
 )
 from streamrec.cache.host_tier import HostTier
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig

@@ -354,8 +354,8 @@ class DiskTier:
         entry = self._entry(user)
         if entry.write is not None and not self._finish_write(user, entry):
             return False
-        if entry.read is None and not self._start_read(user, one_off=True):
-            return False
+        if entry.read is None:
+            self._start_read(user, one_off=True)  # (or a prefetch just started one)
         read = entry.read
         assert read is not None
         if read.verified:

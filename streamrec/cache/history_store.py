@@ -6,18 +6,17 @@ topic-partition it remembers the highest applied offset (the watermark) and skip
 event at or below it. Watermarks are kept per *user* rather than per partition, so one
 partition carrying many users is no problem and a batch may be retried blindly.
 
-Backends are picked by URL (``open_history_store``): ``memory://`` keeps everything in
-this process (the embedded default, lost on restart); ``redis://host:port/db`` is shared
-by all workers and survives restarts and rebalances.
+Backends are picked by URL (``history_backends.open_history_store``): ``memory://`` keeps
+everything in this process (the embedded default, lost on restart);
+``redis://host:port/db`` is shared by all workers and survives restarts and rebalances.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
-from urllib.parse import urlsplit
 
 import numpy as np
 import numpy.typing as npt
@@ -131,6 +130,10 @@ class HistoryStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def drop_partitions(self, tps: Collection[TopicPartition]) -> None:
+        """``drop`` every user with an applied event from one of ``tps`` (a revoke)."""
+
+    @abc.abstractmethod
     async def delete(self, users: Sequence[UserId]) -> None:
         """Erase users everywhere (data deletion requests, tests)."""
 
@@ -166,17 +169,3 @@ class HistoryStore(abc.ABC):
             users=users,
             bytes=nbytes,
         )
-
-
-def open_history_store(url: str, max_seq_len: int) -> HistoryStore:
-    """``memory://`` or ``redis://host:port/db[?prefix=...]`` (also ``rediss://``)."""
-    scheme = urlsplit(url).scheme
-    if scheme == "memory":
-        from streamrec.cache.memory_history_store import MemoryHistoryStore
-
-        return MemoryHistoryStore(max_seq_len)
-    if scheme in ("redis", "rediss"):
-        from streamrec.cache.redis_history_store import RedisHistoryStore
-
-        return RedisHistoryStore(url, max_seq_len)
-    raise ConfigError(f"history store URL {url!r}: scheme must be memory:// or redis://")

@@ -98,8 +98,10 @@ class KVCache:
         *,
         budget_bytes: int | None = None,
         free_fraction: float | None = None,
+        cap_bytes: int | None = None,
     ) -> KVCache:
-        """Size the pool from bytes, or from a fraction of the device's free memory now."""
+        """Size the pool from bytes, or from a fraction of the device's free memory now
+        (at most ``cap_bytes``: on the CPU the RAM is shared with everything else)."""
         if (budget_bytes is None) == (free_fraction is None):
             raise ConfigError(
                 f"give exactly one of budget_bytes={budget_bytes} and free_fraction={free_fraction}"
@@ -110,6 +112,8 @@ class KVCache:
                 raise ConfigError(f"free_fraction must be in (0, 1], got {free_fraction}")
             budget_bytes = int(free_memory_bytes(dev) * free_fraction)
         assert budget_bytes is not None
+        if cap_bytes is not None:
+            budget_bytes = min(budget_bytes, cap_bytes)
         return cls(config, config.num_blocks_for(budget_bytes), dev)
 
     @property

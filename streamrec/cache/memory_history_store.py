@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,6 +67,11 @@ class MemoryHistoryStore(HistoryStore):
     async def drop(self, users: Sequence[UserId]) -> None:
         for user in users:
             self._users.pop(user, None)
+
+    async def drop_partitions(self, tps: Collection[TopicPartition]) -> None:
+        wanted = set(tps)
+        gone = [u for u, s in self._users.items() if not wanted.isdisjoint(s.watermarks)]
+        await self.drop(gone)
 
     async def delete(self, users: Sequence[UserId]) -> None:
         await self.drop(users)

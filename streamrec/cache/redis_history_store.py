@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
@@ -171,6 +171,10 @@ class RedisHistoryStore(HistoryStore):
 
     async def drop(self, users: Sequence[UserId]) -> None:
         """Nothing is held locally; the shared data stays for the users' new owner."""
+        return None
+
+    async def drop_partitions(self, tps: Collection[TopicPartition]) -> None:
+        """Nothing is held locally (as ``drop``)."""
         return None
 
     async def delete(self, users: Sequence[UserId]) -> None:

@@ -82,6 +82,14 @@ class ItemVocabulary:
             return self._items[idx - self.first_item_row]
         raise ModelError(f"row {idx} outside vocabulary of {self.size} rows")
 
+    def external_ids(self) -> np.ndarray:
+        """``[size]`` object array: the external id of every row (``external`` for all),
+        so a batch's output rows turn into ids with one fancy index."""
+        ids = np.empty(self.size, dtype=object)
+        ids[: self.first_item_row] = [self.external(i) for i in range(self.first_item_row)]
+        ids[self.first_item_row :] = self._items
+        return ids
+
     def is_retrievable(self, idx: int) -> bool:
         return self.first_item_row <= int(idx) < self.size
 

@@ -4,14 +4,16 @@ The types are deliberately flat (strings and ints, no schema classes) so the pip
 fed from Kafka, a replay file or a test without importing the wire schemas. Each delta keeps
 its source coordinates because an offset may only be committed after the effect of that
 exact record is durable and published; the engine hands them back with the recommendation.
+
+Both are ``NamedTuple``s: one ``Delta`` is built per consumed event on the event loop, and a
+tuple costs a third of a frozen dataclass to build (no ``object.__setattr__`` per field).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol
-
-from streamrec.errors import PipelineError
+import heapq
+from collections.abc import Sequence
+from typing import NamedTuple
 
 
 class SourceOffset(NamedTuple):
@@ -27,28 +29,11 @@ class SourceOffset(NamedTuple):
         return (self.topic, self.partition)
 
 
-class TokenEvent(Protocol):
-    """The few attributes of a decoded event that become a token (schemas satisfy it)."""
-
-    @property
-    def user_id(self) -> str: ...
-
-    @property
-    def item_id(self) -> str: ...
-
-    @property
-    def ts_ms(self) -> int: ...
-
-    @property
-    def token_action(self) -> int: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Delta:
+class Delta(NamedTuple):
     """One event for one user: the token it becomes and the record it came from.
 
-    ``enqueued_at`` is stamped by the batcher from its own clock on ``submit`` (whatever the
-    caller put there is replaced), so queue delays are always measured on one time base.
+    ``enqueued_at`` is stamped by the batcher from its own clock on submit, so queue delays
+    are always measured on one time base.
     """
 
     user_id: str
@@ -60,38 +45,20 @@ class Delta:
     offset: int
     enqueued_at: float = 0.0
 
-    @classmethod
-    def from_event(cls, event: TokenEvent, topic: str, partition: int, offset: int) -> Delta:
-        return cls(
-            user_id=event.user_id,
-            item_id=event.item_id,
-            action=int(event.token_action),
-            ts_ms=event.ts_ms,
-            topic=topic,
-            partition=partition,
-            offset=offset,
-        )
-
     @property
     def source(self) -> SourceOffset:
         return SourceOffset(self.topic, self.partition, self.offset)
 
 
-@dataclass(frozen=True, slots=True)
-class UserDelta:
-    """All events of one user inside one batch, in arrival order: one model step.
+class UserDelta(NamedTuple):
+    """All events of one user inside one batch, in application order: one model step.
 
-    Arrival order is the per-partition offset order (a user's records of one topic sit in
-    one partition), interleaved across the user's topics as the consumer delivered them;
-    the history store orders and de-duplicates tokens, the batcher only preserves order.
+    Application order is event time across the user's topic-partitions and offset order
+    within each (``event_time_order``); that order is what the history store records.
     """
 
     user_id: str
     deltas: tuple[Delta, ...]
-
-    def __post_init__(self) -> None:
-        if not self.deltas:
-            raise PipelineError(f"UserDelta for user {self.user_id!r} has no events")
 
     @property
     def n_events(self) -> int:
@@ -116,9 +83,31 @@ class UserDelta:
 
     @property
     def sources(self) -> tuple[SourceOffset, ...]:
-        """Every record this step covers, in arrival order (what the worker completes)."""
+        """Every record this step covers (what the worker completes)."""
         return tuple(d.source for d in self.deltas)
 
     @property
     def first_enqueued_at(self) -> float:
-        return self.deltas[0].enqueued_at
+        return min(d.enqueued_at for d in self.deltas)
+
+
+def event_time_order(deltas: Sequence[Delta]) -> tuple[Delta, ...]:
+    """One user's pending events in the order their tokens are applied.
+
+    A user's playback and interaction events arrive on two partitions, interleaved as the
+    consumer happened to fetch them; replaying the same offsets after a crash may fetch
+    them in another interleaving. Ordering by event time makes the history independent of
+    fetch timing, as Kafka Streams' stream-time merge does: each partition's events stay in
+    offset order (the history store's watermarks rely on it, and an out-of-order event time
+    inside one partition is the producer's order to keep), and the partitions are merged by
+    ``ts_ms``, ties broken by topic name. The bound of the wait is the batcher's
+    ``max_wait_ms``: events released in different batches stay in batch order.
+    """
+    first = deltas[0]
+    if all(d.topic == first.topic and d.partition == first.partition for d in deltas):
+        return tuple(deltas)  # the common case: one partition, already in offset order
+    runs: dict[tuple[str, int], list[Delta]] = {}
+    for d in deltas:
+        runs.setdefault((d.topic, d.partition), []).append(d)
+    merged = heapq.merge(*runs.values(), key=lambda d: (d.ts_ms, d.topic, d.partition))
+    return tuple(merged)

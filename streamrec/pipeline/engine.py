@@ -1,20 +1,23 @@
 """The inference engine: a batch of user deltas in, one recommendation per user out.
 
-Per batch, in this order (DESIGN §5):
+A batch goes through two stages, so that the worker can overlap them across batches
+(DESIGN §5: the next batch's host work runs while the current step is on the GPU):
 
-1. idempotent history append (event loop; the store is async). A store outage is retried
-   with backoff, which stalls this batch and so, through the batcher's watermarks, the
-   consumer: nothing past the failed events is ever completed.
-2. decide per user whether the cached state can simply be extended by the new tokens, or
-   must be rebuilt from the store (a miss, or a redelivery that the store partly skipped,
-   where only a rebuild is certain to match the stored history);
-3. one batched ``get`` for the rebuilt users;
-4. the model step on the engine's own thread and CUDA stream (``ModelStep``);
-5. results back on the event loop as ``UserResult``s carrying the source offsets, which the
-   worker completes only after the producer acknowledges the recommendation.
+1. ``prepare`` (event loop; the store is async): build each event's token once, append
+   the batch to the history store (idempotent; a store outage is retried with backoff,
+   which stalls this batch and, through the batcher's watermarks, the consumer), decide
+   per user whether the cached state can be extended by the new tokens or must be rebuilt
+   from the store (a miss, or a redelivery the store partly skipped: only a rebuild is
+   certain to match the stored history), and read the rebuilt users' histories.
+2. ``execute`` (the engine's own thread and CUDA stream): the model step (``ModelStep``),
+   then the outputs as arrays (``RecommendationBatch``), ready to encode.
 
-Batches must be processed one at a time, in the batcher's order: that is what keeps each
-user's tokens in order (the batcher coalesces a user's events inside one batch only).
+Batches must be executed one at a time, in the batcher's order: that is what keeps each
+user's tokens in order (the batcher coalesces a user's events inside one batch only). The
+prepare of batch n + 1 may run while batch n executes. It may then see a user as cached
+that batch n evicts (the step finds it gone and the engine rebuilds it from the store,
+``lost``), or as missing that batch n caches (it is rebuilt once more): both are exact,
+because a rebuild reads the store after the batch's own append.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -30,28 +33,31 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from streamrec.cache.history_store import AppendResult, History, HistoryEvent, HistoryStore, Token
+from streamrec.backoff import Backoff
+from streamrec.cache.history_store import AppendResult, History, HistoryEvent, HistoryStore
 from streamrec.cache.kv_tiers import CacheOutcome, KVTiers
 from streamrec.errors import PipelineError, StoreError
 from streamrec.models.vocabulary import ItemVocabulary
-from streamrec.pipeline.delta import SourceOffset, UserDelta
+from streamrec.pipeline.delta import UserDelta
 from streamrec.pipeline.item_catalog import ItemCatalog
 from streamrec.pipeline.micro_batcher import Batch
 from streamrec.pipeline.model_step import ModelStep, StepTimings, UserOutput, UserWork
-from streamrec.pipeline.scorer import Scorer, ScoringConfig
+from streamrec.pipeline.scorer import Scorer
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
-from streamrec.schemas.records import Recommendation
+from streamrec.schemas.recommendation_batch import RecommendationBatch
 
 log = logging.getLogger(__name__)
 A = TypeVar("A")
 R = TypeVar("R")
+TP = tuple[str, int]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model_name: str
     model_version: str
-    backend: str = "eager"  # "aoti" or "eager": reported, never branched on
+    backend: str = "eager"  # "aoti", "eager", ...: reported, never branched on
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     store_retry_initial_s: float = 0.05
     store_retry_max_s: float = 2.0
@@ -65,13 +71,28 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class UserResult:
-    """One user's share of a batch: what to publish and which offsets it covers."""
+class PreparedBatch:
+    """A batch whose appends are durable, with each user's work for the step."""
 
-    user_id: str
-    recommendation: Recommendation | None  # None only when the user has no history at all
-    sources: tuple[SourceOffset, ...]
-    first_enqueued_at: float
+    batch: Batch
+    work: list[UserWork]
+    io_seconds: dict[str, float]  # append, history_get (event-loop time)
+    new_items: np.ndarray | None = None  # [events] item rows: the catalogue's popularity
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """A batch's outcome: the recommendations (users with a history, in batch order) and
+    which batch users they belong to; users without any history publish nothing."""
+
+    batch: Batch
+    output: RecommendationBatch
+    rows: np.ndarray  # [B] row of each batch user in ``output``, -1 for none
+    step_seconds: float  # engine-thread wall time of the step
+
+    def recommendation_rows(self) -> list[int | None]:
+        """Per batch user, its row in ``output`` (None: nothing to publish)."""
+        return [None if r < 0 else int(r) for r in self.rows.tolist()]
 
 
 @dataclass
@@ -86,11 +107,14 @@ class EngineStats:
     misses: int = 0
     rebuilds_after_redelivery: int = 0
     rebuilds_after_burst: int = 0
+    rebuilds_after_loss: int = 0
     tokens_prefilled: int = 0
     tokens_extended: int = 0
     batch_splits: int = 0
     store_retries: int = 0
+    last_retry_at: float = 0.0  # time.monotonic() of the newest store retry
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    step_seconds: float = 0.0  # engine-thread wall time of every step: the busy time
     last_batch_seconds: float = 0.0
 
 
@@ -100,6 +124,7 @@ class _UserState:
 
     total: int  # tokens ever appended to the store: the recommendation version
     recent: np.ndarray  # [<=E] item rows, newest last
+    tps: set[TP]  # the input partitions the user's events came from (hand-over)
 
 
 class Engine:
@@ -121,11 +146,9 @@ class Engine:
         self.device = tiers.cache.device
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
-        sync = torch.cuda.synchronize if cuda else None
-        self.scorer = Scorer(
-            model, tiers.cache, config.scoring, task_names, sync=sync, catalog=catalog
-        )
-        self.step = ModelStep(model, tiers, self.scorer, self.device, sync=sync, catalog=catalog)
+        self.scorer = Scorer(model, tiers.cache, config.scoring, task_names, catalog=catalog)
+        self.step = ModelStep(model, tiers, self.scorer, self.device, catalog=catalog)
+        self._external = vocab.external_ids()  # [rows] item id per row, for the output
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="streamrec-engine")
         self._users: dict[str, _UserState] = {}
         self._stats = EngineStats(backend=config.backend)
@@ -133,69 +156,77 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
 
-    async def process(self, batch: Batch) -> list[UserResult]:
-        started = time.perf_counter()
-        users = list(batch.users)
-        # Each event's token is built once: the store append and the extend share it.
-        tokens = {
-            ud.user_id: np.array(
-                [[self.vocab.index(d.item_id), d.action, d.ts_ms] for d in ud.deltas],
-                dtype=np.int64,
-            )  # [n, 3]
-            for ud in users
-        }
-        events = [
-            HistoryEvent(ud.user_id, d.topic, d.partition, d.offset, Token(*map(int, row)))
-            for ud in users
-            for d, row in zip(ud.deltas, tokens[ud.user_id], strict=True)
-        ]
+    async def process(self, batch: Batch) -> BatchResult:
+        """``prepare`` then ``execute``: one batch, nothing overlapped."""
+        return await self.execute(await self.prepare(batch))
+
+    async def prepare(self, batch: Batch) -> PreparedBatch:
+        users = batch.users
+        vocab_index = self.vocab.index
+        events: list[HistoryEvent] = []
+        tokens: dict[str, np.ndarray] = {}
+        for ud in users:
+            rows = [(vocab_index(d.item_id), d.action, d.ts_ms) for d in ud.deltas]
+            tokens[ud.user_id] = np.array(rows, dtype=np.int64)  # [n, 3]
+            events.extend(
+                HistoryEvent(ud.user_id, d.topic, d.partition, d.offset, row)
+                for d, row in zip(ud.deltas, rows, strict=True)
+            )
         append_start = time.perf_counter()
         appended: AppendResult = await self._with_retry("append", self.store.append, events)
         append_s = time.perf_counter() - append_start
 
-        work, rebuild = self._plan(users, tokens, appended)
+        work, rebuild = self._plan(batch, tokens, appended)
         get_start = time.perf_counter()
-        histories: dict[str, History] = {}
         if rebuild:
             histories = await self._with_retry("get", self.store.get, rebuild)
+            tps = {ud.user_id: {d.source.tp for d in ud.deltas} for ud in users}
+            for user in rebuild:
+                history = histories.get(user, History.empty())
+                if len(history):
+                    work.append(self._rebuild_work(user, history, tps[user]))
         get_s = time.perf_counter() - get_start
-        for user in rebuild:
-            history = histories.get(user, History.empty())
-            if len(history):
-                work.append(self._rebuild_work(user, history))
+        new_items = None
+        if self.catalog is not None and tokens:
+            new_items = np.concatenate([t[:, 0] for t in tokens.values()])
+        io = {"append": append_s, "history_get": get_s}
+        return PreparedBatch(batch, work, io, new_items)
 
+    async def execute(self, prepared: PreparedBatch) -> BatchResult:
         loop = asyncio.get_running_loop()
-        new_items = np.concatenate([t[:, 0] for t in tokens.values()]) if tokens else None
+        started = time.perf_counter()
         outputs, timings = await loop.run_in_executor(
-            self._executor, self._run_step, work, new_items
+            self._executor, self._run_step, prepared.work, prepared.new_items
         )
+        busy = timings.wall
         if timings.lost:
+            self._stats.rebuilds_after_loss += len(timings.lost)
             lost = await self._with_retry("get", self.store.get, timings.lost)
-            redo = [self._rebuild_work(user, h) for user, h in lost.items() if len(h)]
+            by_user = {ud.user_id: ud for ud in prepared.batch.users}
+            redo = [
+                self._rebuild_work(user, h, {d.source.tp for d in by_user[user].deltas})
+                for user, h in lost.items()
+                if len(h)
+            ]
             more, extra = await loop.run_in_executor(self._executor, self._run_step, redo)
             outputs += more
             timings.merge(extra)
-        by_user = {out.user_id: out for out in outputs}
-        phases = {"append": append_s * 1000.0, "history_get": get_s * 1000.0, **timings.as_ms()}
-        now_ms = int(time.time() * 1000)
-        results = [
-            UserResult(
-                user_id=ud.user_id,
-                recommendation=self._recommendation(ud, by_user.get(ud.user_id), phases, now_ms),
-                sources=ud.sources,
-                first_enqueued_at=ud.first_enqueued_at,
-            )
-            for ud in users
-        ]
-        self._account(users, outputs, timings, {"append": append_s, "history_get": get_s})
+            busy += extra.wall
+        result = self._result(prepared, outputs, timings, busy)
+        self._account(prepared, outputs, timings)
         self._stats.last_batch_seconds = time.perf_counter() - started
-        return results
+        return result
 
-    async def drop(self, users: Sequence[str]) -> None:
-        """Forget users whose partitions were revoked (their new owner rebuilds them)."""
+    async def drop(self, users: Collection[str]) -> None:
+        """Forget users (their new owner rebuilds them). Call with no step in flight."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._drop, list(users))
         await self.store.drop(list(users))
+
+    def users_of(self, tps: Collection[TP]) -> list[str]:
+        """Cached users with an event from one of ``tps`` (a revoke drops them)."""
+        wanted = set(tps)
+        return sorted(u for u, s in self._users.items() if not wanted.isdisjoint(s.tps))
 
     def cached_users(self) -> set[str]:
         """Users that have engine state here (tests: no user cached on two workers)."""
@@ -213,14 +244,14 @@ class Engine:
     # ------------------------------------------------------------------ internals
 
     def _plan(
-        self, users: list[UserDelta], tokens: dict[str, np.ndarray], appended: AppendResult
+        self, batch: Batch, tokens: dict[str, np.ndarray], appended: AppendResult
     ) -> tuple[list[UserWork], list[str]]:
-        where = self.tiers.resolve(ud.user_id for ud in users)
+        where = self.tiers.resolve(ud.user_id for ud in batch.users)
         self.tiers.prefetch(u for u, w in where.items() if w is CacheOutcome.DISK_HIT)
         work: list[UserWork] = []
         rebuild: list[str] = []
         keep = self.config.scoring.exclude_recent
-        for ud in users:
+        for ud in batch.users:
             state = self._users.get(ud.user_id)
             applied = appended.applied.get(ud.user_id, 0)
             cached = state is not None and where[ud.user_id] is not CacheOutcome.MISS
@@ -231,9 +262,9 @@ class Engine:
                 assert state is not None
                 new = tokens[ud.user_id]  # [n, 3]
                 state.total += applied
-                state.recent = (
-                    np.concatenate([state.recent, new[:, 0]])[-keep:] if keep else state.recent
-                )
+                if keep:
+                    state.recent = np.concatenate([state.recent, new[:, 0]])[-keep:]
+                state.tps.update(d.source.tp for d in ud.deltas)
                 work.append(UserWork(ud.user_id, new, False, state.recent, state.total))
             else:
                 if cached and applied != ud.n_events:
@@ -243,12 +274,12 @@ class Engine:
                 rebuild.append(ud.user_id)
         return work, rebuild
 
-    def _rebuild_work(self, user: str, history: History) -> UserWork:
-        keep = self.config.scoring.exclude_recent
-        tokens = np.stack([history.items, history.actions, history.ts], axis=1)  # [L, 3]
-        recent = history.items[-keep:].copy() if keep else np.zeros(0, dtype=np.int64)
-        self._users[user] = _UserState(total=history.total_appended, recent=recent)
-        return UserWork(user, tokens.astype(np.int64), True, recent, history.total_appended)
+    def _rebuild_work(self, user: str, history: History, tps: set[TP]) -> UserWork:
+        work = UserWork.from_history(user, history, self.config.scoring.exclude_recent)
+        state = self._users.get(user)
+        known = state.tps if state is not None else set()
+        self._users[user] = _UserState(history.total_appended, work.recent, known | tps)
+        return work
 
     def _run_step(
         self, work: list[UserWork], new_items: np.ndarray | None = None
@@ -277,7 +308,7 @@ class Engine:
             self._users.pop(user, None)
 
     async def _with_retry(self, what: str, call: Callable[[A], Awaitable[R]], arg: A) -> R:
-        delay = self.config.store_retry_initial_s
+        backoff = Backoff(self.config.store_retry_initial_s, self.config.store_retry_max_s)
         while True:
             try:
                 return await call(arg)
@@ -285,50 +316,61 @@ class Engine:
                 if self._closing:
                     raise
                 self._stats.store_retries += 1
+                self._stats.last_retry_at = time.monotonic()
+                delay = backoff.next_delay()
                 log.warning("history store %s failed, retrying in %.2fs: %s", what, delay, exc)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, self.config.store_retry_max_s)
 
-    def _recommendation(
-        self, ud: UserDelta, out: UserOutput | None, phases: dict[str, float], now_ms: int
-    ) -> Recommendation | None:
-        if out is None:
-            return None
-        task_names = self.scorer.task_names
-        items = tuple(
-            (self.vocab.external(int(row)), float(score))
-            for row, score in zip(out.items, out.scores, strict=True)
-        )
-        task_scores = None
-        if out.task_scores is not None:
-            task_scores = {
-                name: tuple(float(x) for x in out.task_scores[:, col])
-                for col, name in enumerate(task_names)
-            }
-        return Recommendation(
-            user_id=ud.user_id,
-            items=items,
-            model_name=self.config.model_name,
-            model_version=self.config.model_version,
-            version=out.version,
-            last_event_ts_ms=ud.newest_ts_ms,
-            generated_at_ms=now_ms,
-            cache_outcome=out.outcome,
-            task_scores=task_scores,
-            timings_ms={k: round(v, 3) for k, v in phases.items()},
-        )
-
-    def _account(
+    def _result(
         self,
-        users: list[UserDelta],
+        prepared: PreparedBatch,
         outputs: list[UserOutput],
         timings: StepTimings,
-        io_seconds: dict[str, float],
+        busy: float,
+    ) -> BatchResult:
+        users = prepared.batch.users
+        by_user = {out.user_id: out for out in outputs}
+        rows = np.full(len(users), -1, dtype=np.int64)  # [B]
+        kept: list[UserDelta] = []
+        for b, ud in enumerate(users):
+            if ud.user_id in by_user:
+                rows[b] = len(kept)
+                kept.append(ud)
+        outs = [by_user[ud.user_id] for ud in kept]
+        top_k = self.config.scoring.top_k
+        items = np.stack([o.items for o in outs]) if outs else np.zeros((0, top_k), np.int64)
+        scores = (
+            np.stack([o.scores for o in outs]).astype(np.float32)
+            if outs
+            else np.zeros((0, top_k), np.float32)
+        )
+        tasks = None
+        if outs and outs[0].task_scores is not None:
+            tasks = np.stack([o.task_scores for o in outs]).astype(np.float32)  # type: ignore[misc]
+        phases = {k: v * 1000.0 for k, v in prepared.io_seconds.items()} | timings.as_ms()
+        output = RecommendationBatch(
+            user_ids=[ud.user_id for ud in kept],
+            item_ids=self._external[items],
+            scores=scores,
+            task_scores=tasks,
+            task_names=self.scorer.task_names,
+            versions=np.array([o.version for o in outs], dtype=np.int64),
+            last_event_ts_ms=np.array([ud.newest_ts_ms for ud in kept], dtype=np.int64),
+            cache_outcomes=[o.outcome for o in outs],
+            generated_at_ms=int(time.time() * 1000),
+            model_name=self.config.model_name,
+            model_version=self.config.model_version,
+            timings_ms={k: round(v, 3) for k, v in phases.items()},
+        )
+        return BatchResult(prepared.batch, output, rows, busy)
+
+    def _account(
+        self, prepared: PreparedBatch, outputs: list[UserOutput], timings: StepTimings
     ) -> None:
         s = self._stats
         s.batches += 1
-        s.users += len(users)
-        s.events += sum(ud.n_events for ud in users)
+        s.users += prepared.batch.n_users
+        s.events += prepared.batch.n_events
         for out in outputs:
             if out.outcome is CacheOutcome.GPU_HIT:
                 s.gpu_hits += 1
@@ -341,6 +383,7 @@ class Engine:
         s.tokens_prefilled += timings.tokens_prefilled
         s.tokens_extended += timings.tokens_extended
         s.batch_splits += timings.splits
-        phase_s = {k: v / 1000.0 for k, v in timings.as_ms().items()} | io_seconds
+        s.step_seconds += timings.wall
+        phase_s = {k: v / 1000.0 for k, v in timings.as_ms().items()} | prepared.io_seconds
         for name, seconds in phase_s.items():
             s.phase_seconds[name] = s.phase_seconds.get(name, 0.0) + seconds

@@ -29,12 +29,12 @@ import asyncio
 import enum
 import math
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Collection
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from dataclasses import dataclass
 
 from streamrec.errors import PipelineError
 from streamrec.pipeline.clock import Clock, MonotonicClock
-from streamrec.pipeline.delta import Delta, SourceOffset, UserDelta
+from streamrec.pipeline.delta import Delta, SourceOffset, UserDelta, event_time_order
 
 PressureListener = Callable[[bool], None]  # called with True on pause, False on resume
 
@@ -214,31 +214,46 @@ class MicroBatcher:
         """Return once the queue is not paused (immediately if it is not)."""
         await self._resumed.wait()
 
+    def now(self) -> float:
+        """The batcher's clock: what ``submit_many`` callers stamp ``enqueued_at`` with."""
+        return self._clock.now()
+
     def submit(self, delta: Delta) -> bool:
-        """Enqueue one delta; False (and a counted reject) when the queue is at capacity."""
+        """Enqueue one delta, stamped now; False (and a counted reject) at capacity."""
+        return self.submit_many([delta._replace(enqueued_at=self._clock.now())]) == 1
+
+    def submit_many(self, deltas: Sequence[Delta]) -> int:
+        """Enqueue deltas already stamped from ``now()`` (one stamp per fetched chunk);
+        returns how many were taken: a prefix, all of them unless the queue filled up. The
+        caller still owns the rest and submits them again after ``wait_resumed()``."""
         if self._closed:
-            raise BatcherClosed(
-                f"submit of {delta.source} for user {delta.user_id!r} after close()"
-            )
-        if self._depth >= self._config.capacity:
+            first = deltas[0] if deltas else None
+            where = f" of {first.source} for user {first.user_id!r}" if first else ""
+            raise BatcherClosed(f"submit{where} after close()")
+        room = self._config.capacity - self._depth
+        taken = deltas if len(deltas) <= room else deltas[: max(room, 0)]
+        if len(taken) < len(deltas):
             self._rejected += 1
-            return False
-        stamped = replace(delta, enqueued_at=self._clock.now())
-        events = self._pending.get(delta.user_id)
-        if events is None:
-            self._pending[delta.user_id] = [stamped]
-            n_users = len(self._pending)
-            # A first pending user sets a new deadline; reaching the size limit releases now.
-            if n_users in (1, self._config.max_batch_users):
-                self._wakeup.set()
-        else:
-            events.append(stamped)
-        self._depth += 1
-        self._submitted += 1
+        if not taken:
+            return 0
+        pending = self._pending
+        before = len(pending)
+        for delta in taken:
+            events = pending.get(delta.user_id)
+            if events is None:
+                pending[delta.user_id] = [delta]
+            else:
+                events.append(delta)
+        n_users = len(pending)
+        # A first pending user sets a new deadline; reaching the size limit releases now.
+        if before == 0 or before < self._config.max_batch_users <= n_users:
+            self._wakeup.set()
+        self._depth += len(taken)
+        self._submitted += len(taken)
         self._max_depth = max(self._max_depth, self._depth)
         if not self._paused and self._depth >= self._config.queue_high_watermark:
             self._set_paused(True)
-        return True
+        return len(taken)
 
     async def next_batch(self) -> Batch:
         """Wait for and return the next batch; raises :class:`BatcherClosed` once drained.
@@ -341,7 +356,7 @@ class MicroBatcher:
         n_events = 0
         for _ in range(n):
             user_id, events = self._pending.popitem(last=False)
-            users.append(UserDelta(user_id, tuple(events)))
+            users.append(UserDelta(user_id, event_time_order(events)))
             n_events += len(events)
             for d in events:
                 delay = now - d.enqueued_at

@@ -10,16 +10,18 @@ the step splits the batch and runs the halves one after the other.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from streamrec.cache.block_pool import NoRoom
+from streamrec.cache.history_store import History
 from streamrec.cache.kv_tiers import Admission, CacheOutcome, KVTiers
 from streamrec.errors import PipelineError
 from streamrec.pipeline.item_catalog import ItemCatalog
+from streamrec.pipeline.phase_timer import PhaseTimer
 from streamrec.pipeline.scorer import ScoredUsers, Scorer
 from streamrec.pipeline.serving_model import ServingModel
 
@@ -42,6 +44,14 @@ class UserWork:
     recent: IntArray  # [E] int64
     version: int  # tokens ever appended for the user, this step's included
 
+    @classmethod
+    def from_history(cls, user_id: str, history: History, exclude_recent: int) -> UserWork:
+        """A rebuild of the user's cache from its stored window (engine and reference)."""
+        tokens = np.stack([history.items, history.actions, history.ts], axis=1)  # [L, 3]
+        keep = exclude_recent
+        recent = history.items[-keep:].copy() if keep else np.zeros(0, dtype=np.int64)
+        return cls(user_id, tokens.astype(np.int64), True, recent, history.total_appended)
+
 
 @dataclass(frozen=True)
 class UserOutput:
@@ -55,8 +65,10 @@ class UserOutput:
 
 @dataclass
 class StepTimings:
-    """Seconds per phase, summed over the sub-steps of a split batch."""
+    """Seconds per phase, summed over the sub-steps of a split batch; ``wall`` is the
+    engine thread's time for the whole step (the engine's busy time)."""
 
+    wall: float = 0.0
     admit: float = 0.0
     prefill: float = 0.0
     extend: float = 0.0
@@ -72,7 +84,7 @@ class StepTimings:
     lost: list[str] = field(default_factory=list)
 
     def merge(self, other: StepTimings) -> None:
-        for name in ("admit", "prefill", "extend", "retrieve", "rank", "splits"):
+        for name in ("wall", "admit", "prefill", "extend", "retrieve", "rank", "splits"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.tokens_prefilled += other.tokens_prefilled
         self.tokens_extended += other.tokens_extended
@@ -95,20 +107,19 @@ class ModelStep:
         tiers: KVTiers,
         scorer: Scorer,
         device: torch.device,
-        sync: Callable[[], None] | None = None,
         catalog: ItemCatalog | None = None,
     ) -> None:
         self.model = model
         self.tiers = tiers
         self.scorer = scorer
         self.device = device
-        # Phase timings are only honest if the device has finished the phase's kernels.
-        self._sync = sync or (lambda: None)
         self.catalog = catalog  # set: item rows become embedding-cache slots per call
 
     def run(self, work: Sequence[UserWork]) -> tuple[list[UserOutput], StepTimings]:
         timings = StepTimings()
+        start = time.perf_counter()
         outputs = self._run(list(work), timings)
+        timings.wall = time.perf_counter() - start
         return outputs, timings
 
     def _run(self, work: list[UserWork], timings: StepTimings) -> list[UserOutput]:
@@ -150,29 +161,25 @@ class ModelStep:
         fresh = [w for w in work if admission.outcomes[w.user_id] is CacheOutcome.MISS]
         cached = [w for w in work if admission.outcomes[w.user_id] is not CacheOutcome.MISS]
         emb: dict[str, torch.Tensor] = {}
-
-        start = time.perf_counter()
+        phases = PhaseTimer(self.device)
         if fresh:
             emb.update(self._prefill(fresh))
             timings.tokens_prefilled += sum(int(w.tokens.shape[0]) for w in fresh)
-        self._sync()
-        timings.prefill += time.perf_counter() - start
-
-        start = time.perf_counter()
+        phases.mark("prefill")
         if cached:
             emb.update(self._extend(cached))
             timings.tokens_extended += sum(int(w.tokens.shape[0]) for w in cached)
-        self._sync()
-        timings.extend += time.perf_counter() - start
-
+        phases.mark("extend")
         users = [w.user_id for w in work]
         scored: ScoredUsers = self.scorer.score(
             torch.stack([emb[u] for u in users]),
             [w.recent for w in work],
             [int(w.tokens[-1, 2]) for w in work],
             users,
-            timings,
+            phases.mark,
         )
+        for name, seconds in phases.seconds().items():
+            setattr(timings, name, getattr(timings, name) + seconds)
         return [
             UserOutput(
                 user_id=w.user_id,

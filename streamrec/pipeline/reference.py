@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from streamrec.cache.history_store import History
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.cache.kv_tiers import KVTiers
 from streamrec.pipeline.model_step import ModelStep, UserOutput, UserWork
-from streamrec.pipeline.scorer import Scorer, ScoringConfig
+from streamrec.pipeline.scorer import Scorer
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
 
 
@@ -38,7 +38,6 @@ def full_recompute(
     out: dict[str, UserOutput] = {}
     blocks = -(-max_seq_len // block_size)
     config = KVCacheConfig(num_layers, num_heads, head_dim, block_size, dtype)
-    keep = scoring.exclude_recent
     with torch.inference_mode():
         for user, history in histories.items():
             if not len(history):
@@ -47,8 +46,7 @@ def full_recompute(
             tiers = KVTiers(cache, None, max_seq_len)
             scorer = Scorer(model, cache, scoring, task_names)
             step = ModelStep(model, tiers, scorer, torch.device(device))
-            tokens = np.stack([history.items, history.actions, history.ts], axis=1).astype(np.int64)
-            recent = history.items[-keep:].copy() if keep else np.zeros(0, dtype=np.int64)
-            outputs, _ = step.run([UserWork(user, tokens, True, recent, history.total_appended)])
+            work = UserWork.from_history(user, history, scoring.exclude_recent)
+            outputs, _ = step.run([work])
             out[user] = outputs[0]
     return out

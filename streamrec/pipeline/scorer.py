@@ -6,9 +6,8 @@ can only differ in how the user's cache was built, never in how it is scored.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,41 +15,11 @@ import torch
 
 from streamrec.cache.kv_cache import KVCache
 from streamrec.errors import ConfigError
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
 
 if TYPE_CHECKING:
     from streamrec.pipeline.item_catalog import ItemCatalog
-    from streamrec.pipeline.model_step import StepTimings
-
-
-def _default_weights() -> dict[str, float]:
-    return {"complete": 1.0, "like": 1.0, "skip": -1.0}
-
-
-@dataclass(frozen=True)
-class ScoringConfig:
-    """How many items come out, how many are ranked, how task scores combine.
-
-    With ``num_candidates == 0`` ranking is off and the retrieval score orders the list.
-    The ranking score of a candidate is ``Σ weight[task] · p(task)`` over the model's
-    tasks; tasks without a weight count 0.
-    """
-
-    top_k: int = 20
-    num_candidates: int = 64
-    exclude_recent: int = 16
-    task_weights: Mapping[str, float] = field(default_factory=_default_weights)
-
-    def __post_init__(self) -> None:
-        if self.top_k < 1:
-            raise ConfigError(f"top_k={self.top_k} must be >= 1")
-        if self.num_candidates and self.num_candidates < self.top_k:
-            raise ConfigError(
-                f"num_candidates={self.num_candidates} must be 0 (no ranking) or >= "
-                f"top_k={self.top_k}"
-            )
-        if self.exclude_recent < 0:
-            raise ConfigError(f"exclude_recent={self.exclude_recent} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -67,7 +36,6 @@ class Scorer:
         cache: KVCache,
         config: ScoringConfig,
         task_names: Sequence[str],
-        sync: Callable[[], None] | None = None,
         catalog: ItemCatalog | None = None,
     ) -> None:
         unknown = sorted(set(config.task_weights) - set(task_names))
@@ -79,7 +47,6 @@ class Scorer:
         self.task_names = tuple(task_names)
         weights = [float(config.task_weights.get(name, 0.0)) for name in self.task_names]
         self._weights = torch.tensor(weights, dtype=torch.float32, device=cache.device)  # [tasks]
-        self._sync = sync or (lambda: None)
         # Past the GPU budget: retrieval over the retrievable set, rank inputs as slots.
         self.catalog = catalog
         pool = config.num_candidates or config.top_k
@@ -95,12 +62,12 @@ class Scorer:
         recent: Sequence[np.ndarray],
         query_ts: Sequence[int],
         users: Sequence[str],
-        timings: StepTimings,
+        mark: Callable[[str], None] = lambda phase: None,
     ) -> ScoredUsers:
+        """Top-K per user; ``mark("retrieve")``/``mark("rank")`` end those phases."""
         cfg = self.config
         device = user_emb.device
         num_users = user_emb.shape[0]
-        start = time.perf_counter()
         width = max(1, max((len(r) for r in recent), default=0))
         exclude = np.full((num_users, width), -1, dtype=np.int64)  # [B, E]
         for row, rows in enumerate(recent):
@@ -112,16 +79,15 @@ class Scorer:
             )  # [B, pool] each
         else:
             ret_scores, ret_items = self.catalog.retrieve(user_emb, pool, exclude)
-        self._sync()
-        timings.retrieve += time.perf_counter() - start
+        mark("retrieve")
         if not cfg.num_candidates:
-            return ScoredUsers(
+            out = ScoredUsers(
                 items=ret_items.cpu().numpy(),
                 scores=ret_scores.float().cpu().numpy(),
                 task_scores=None,
             )
-
-        start = time.perf_counter()
+            mark("rank")
+            return out
         tables, lens = self.cache.batch_tables(list(users))  # [B, MB], [B]
         ts = torch.tensor(list(query_ts), dtype=torch.int64, device=device)  # [B]
         cands = ret_items if self.catalog is None else self.catalog.candidate_slots(ret_items)
@@ -132,10 +98,9 @@ class Scorer:
         top_scores, order = torch.topk(combined, cfg.top_k, dim=1)  # [B, top_k]
         items = torch.gather(ret_items, 1, order)
         task = torch.gather(probs, 1, order.unsqueeze(-1).expand(-1, -1, probs.shape[-1]))
-        out = ScoredUsers(
+        mark("rank")
+        return ScoredUsers(
             items=items.cpu().numpy(),
             scores=top_scores.cpu().numpy(),
             task_scores=task.cpu().numpy(),
         )
-        timings.rank += time.perf_counter() - start
-        return out

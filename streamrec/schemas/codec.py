@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, Protocol
 
 from msgpack import unpackb
 from orjson import loads as json_loads
@@ -56,6 +56,25 @@ from streamrec.schemas.wire import (
 DEFAULT_MAX_RECORD_BYTES: Final = 64 * 1024
 
 
+class ConsumedRecord(Protocol):
+    """What decoding and dead-lettering read of a consumed record: ``RawRecord`` and
+    aiokafka's ``ConsumerRecord`` both have it, so the worker hands aiokafka's records
+    over as they are (no copy per record)."""
+
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> Headers: ...
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class RawRecord:
     """One consumed Kafka record, as much of it as decoding and dead-lettering need."""
@@ -85,7 +104,7 @@ class DecodedEvent(NamedTuple):
 class RejectedRecord:
     """A record that is not a valid event; ``reason`` names the field and the value."""
 
-    record: RawRecord
+    record: ConsumedRecord
     kind: ErrorKind
     reason: str
 
@@ -211,7 +230,7 @@ def _builder_for(kind: EventKind, max_record_bytes: int) -> _Builder:
 
 
 def decode_batch(
-    records: Iterable[RawRecord],
+    records: Iterable[ConsumedRecord],
     kind: EventKind,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> DecodedBatch:

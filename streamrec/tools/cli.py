@@ -126,7 +126,8 @@ def effective_config(args: argparse.Namespace) -> WorkerConfig:
 def _export(args: argparse.Namespace) -> int:
     """``streamrec export``: flags beat the worker config, so the package the worker
     looks for (model dir, cache dir, device, retrieve k) is the one that gets built."""
-    model_cfg = effective_config(args).model
+    config = effective_config(args)
+    model_cfg = config.model
     if args.model_dir is None:
         args.model_dir = model_cfg.model_dir
     if args.cache_dir is None:
@@ -134,7 +135,7 @@ def _export(args: argparse.Namespace) -> int:
     if args.device is None:
         args.device = model_cfg.device
     if args.retrieve_k is None:
-        args.retrieve_k = export_config_for(model_cfg).retrieve_k
+        args.retrieve_k = export_config_for(config.scoring).retrieve_k
     return run_export(args)
 
 

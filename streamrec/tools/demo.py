@@ -24,14 +24,14 @@ import numpy as np
 from streamrec.errors import BrokerError, ConfigError
 from streamrec.offline.datasets import InteractionLog, SyntheticSpec, read_movielens, synthetic_log
 from streamrec.offline.training import TrainConfig, train
+from streamrec.pipeline.micro_batcher import BatcherConfig
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import Action, Event, InteractionEvent, PlaybackEvent
-from streamrec.schemas.records import Recommendation
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
 from streamrec.tools.devbroker import DevBroker
 from streamrec.worker.app import App
 from streamrec.worker.config import (
-    BatchingConfig,
     CacheConfig,
     GroupConfig,
     HttpConfig,
@@ -42,6 +42,7 @@ from streamrec.worker.config import (
     TopicsConfig,
     WorkerConfig,
 )
+from streamrec.worker.serving_pipeline import Published
 
 _DURATION_MS = 200_000
 _PLAYED_MS = {Action.COMPLETE: 190_000, Action.PARTIAL: 100_000, Action.SKIP: 10_000}
@@ -173,9 +174,10 @@ def worker_config(bootstrap: str, model_dir: Path) -> WorkerConfig:
         kafka=KafkaConfig(bootstrap_servers=bootstrap, client_id="streamrec-demo"),
         topics=TopicsConfig(),
         group=GroupConfig(group_id="streamrec-demo", commit_interval_ms=200),
-        batching=BatchingConfig(max_batch_users=64, max_wait_ms=5.0),
+        batching=BatcherConfig(max_batch_users=64, max_wait_ms=5.0),
+        scoring=ScoringConfig(num_candidates=64, top_k=10),
         cache=CacheConfig(kv_budget_bytes=32 << 20, host_tier_bytes=0),
-        model=ModelConfig(model_dir=model_dir, device="cpu", num_candidates=64, top_k=10),
+        model=ModelConfig(model_dir=model_dir, device="cpu"),
         store=StoreConfig(url="memory://"),
         http=HttpConfig(host="127.0.0.1", port=0),
         log=LogConfig(format="text", level="WARNING"),
@@ -191,10 +193,12 @@ class _Watcher:
         self.every = every
         self.latencies: list[float] = []
 
-    def __call__(self, rec: Recommendation, latency_s: float) -> None:
+    def __call__(self, published: Published) -> None:
+        latency_s = published.latency_s
         self.latencies.append(latency_s)
-        last = self.shown.get(rec.user_id)
-        if last is not None and rec.version >= last + self.every:
+        last = self.shown.get(published.user_id)
+        if last is not None and published.version >= last + self.every:
+            rec = published.recommendation()
             self.shown[rec.user_id] = rec.version
             top = ", ".join(f"{item} {score:.2f}" for item, score in rec.items[:5])
             self.out.write(

@@ -13,8 +13,8 @@ Why these settings:
 - **Start-up retries.** The broker may come up after the worker (a pod restart, the
   demo); ``start`` backs off and retries until it connects or the worker is stopped.
 
-This class adapts aiokafka to plain tuples and ``RawRecord``s; what happens to the records
-is the ``App``'s business.
+This class adapts aiokafka to plain tuples (its records pass through unchanged: they are
+``ConsumedRecord``s); what happens to the records is the ``App``'s business.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError
-from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
+from streamrec.backoff import Backoff
 from streamrec.errors import BrokerError
-from streamrec.schemas.codec import RawRecord
+from streamrec.schemas.codec import ConsumedRecord
 from streamrec.worker.config import GroupConfig, KafkaConfig, TopicsConfig
 from streamrec.worker.rebalance import RebalanceListener
 
@@ -56,6 +57,7 @@ class KafkaInput:
         self._listener = listener
         self._factory = consumer_factory
         self._consumer: AIOKafkaConsumer | None = None
+        self._admin: AIOKafkaAdminClient | None = None
         self.connect_attempts = 0
 
     def _new_consumer(self) -> AIOKafkaConsumer:
@@ -79,7 +81,7 @@ class KafkaInput:
     async def start(self, stopping: asyncio.Event) -> bool:
         """Connect (retrying with backoff while the broker is absent), check the topics,
         subscribe. False if ``stopping`` was set before a connection was made."""
-        delay = 0.1
+        backoff = Backoff(0.1, self._kafka.connect_retry_max_s)
         while not stopping.is_set():
             self.connect_attempts += 1
             consumer = self._new_consumer()
@@ -87,6 +89,7 @@ class KafkaInput:
                 await consumer.start()
             except KafkaError as exc:
                 await consumer.stop()
+                delay = backoff.next_delay()
                 log.warning(
                     "kafka not reachable, retrying",
                     extra={
@@ -97,7 +100,6 @@ class KafkaInput:
                 )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stopping.wait(), delay)
-                delay = min(delay * 2, self._kafka.connect_retry_max_s)
                 continue
             self._consumer = consumer
             try:
@@ -110,18 +112,19 @@ class KafkaInput:
         return False
 
     async def cluster_id(self) -> str:
-        """The id of the cluster behind the bootstrap address, asked afresh (Metadata v2+).
+        """The id of the cluster behind the bootstrap address, asked afresh (Metadata v2+,
+        through the admin client's ``describe_cluster``; on a cluster with many topics the
+        answer carries their metadata too: a few kB per call, once per batch and commit).
 
         The worker scopes its offset watermarks by it (``LogScopedStore``): a new id means
         a new log whose offsets restart at 0. Raises aiokafka's errors while unreachable.
         """
-        client = self.consumer._client  # aiokafka keeps the id out of its public API
-        node = client.get_random_node()
-        if node is None:
-            raise BrokerError(f"no broker known at {self._kafka.bootstrap_servers!r}")
-        response = await client.send(node, MetadataRequest([]))
-        found: str | None = getattr(response, "cluster_id", None)
-        return found or ""
+        if self._admin is None:
+            admin = AIOKafkaAdminClient(**self._kafka.client_kwargs())
+            await admin.start()
+            self._admin = admin
+        found = (await self._admin.describe_cluster()).get("cluster_id")
+        return str(found) if found else ""
 
     async def check_copartitioned(self) -> dict[str, int]:
         """Partition count per input topic; BrokerError unless both exist and are equal."""
@@ -143,23 +146,10 @@ class KafkaInput:
             )
         return counts
 
-    async def fetch(self, timeout_ms: int) -> dict[TP, list[RawRecord]]:
+    async def fetch(self, timeout_ms: int) -> dict[TP, list[ConsumedRecord]]:
         """Whatever the consumer has buffered (waiting up to ``timeout_ms``), per partition."""
         batches = await self.consumer.getmany(timeout_ms=timeout_ms)
-        out: dict[TP, list[RawRecord]] = {}
-        for tp, records in batches.items():
-            out[(tp.topic, tp.partition)] = [
-                RawRecord(
-                    value=r.value,
-                    headers=tuple(r.headers),
-                    topic=r.topic,
-                    partition=r.partition,
-                    offset=r.offset,
-                    key=r.key,
-                )
-                for r in records
-            ]
-        return out
+        return {(tp.topic, tp.partition): records for tp, records in batches.items()}
 
     def assignment(self) -> set[TP]:
         if self._consumer is None:
@@ -196,5 +186,8 @@ class KafkaInput:
 
     async def stop(self) -> None:
         consumer, self._consumer = self._consumer, None
+        admin, self._admin = self._admin, None
         if consumer is not None:
             await consumer.stop()
+        if admin is not None:
+            await admin.close()

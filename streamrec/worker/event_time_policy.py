@@ -2,11 +2,13 @@
 
 The rules (README "Event times"):
 
-- **Out of order is accepted.** Events are applied in arrival (offset) order per user,
-  whatever their ``ts_ms``. Reordering would need a window and a watermark on event
-  time, and the model does not need it: its time bias buckets ``|Δt|``, so a key older
-  or newer than the query is equally well defined, and the offline recompute sees the
-  same tokens in the same order.
+- **Out of order is accepted.** A user's events are applied in event-time order across
+  its two partitions and in offset order within each, over the events the batcher
+  holds together (``pipeline.delta.event_time_order``); an event time that goes back
+  inside one partition, or across batches, is applied where it arrived. The model does
+  not need more: its time bias buckets ``|Δt|``, so a key older or newer than the query
+  is equally well defined, and the offline recompute reads the tokens in the order the
+  history store applied them.
 - **Far future is rejected.** A ``ts_ms`` more than ``max_future_skew_ms`` ahead of the
   worker's wall clock is a broken producer clock or a unit mix-up (µs for ms); kept, it
   would stay the user's newest time for as long as the skew lasts. Such a record goes to
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from streamrec.errors import ConfigError
-from streamrec.schemas.codec import DecodedEvent, RawRecord, RejectedRecord
+from streamrec.schemas.codec import ConsumedRecord, DecodedEvent, RejectedRecord
 from streamrec.schemas.validation import ErrorKind
 
 
@@ -35,7 +37,7 @@ class EventTimePolicy:
             raise ConfigError(f"max_future_skew_ms must be > 0, got {self.max_future_skew_ms}")
 
     def split(
-        self, events: Sequence[DecodedEvent], records: Sequence[RawRecord], now_ms: int
+        self, events: Sequence[DecodedEvent], records: Sequence[ConsumedRecord], now_ms: int
     ) -> tuple[list[DecodedEvent], list[RejectedRecord]]:
         """``events`` (decoded from ``records``) into those to apply and those too far ahead."""
         bound = now_ms + self.max_future_skew_ms

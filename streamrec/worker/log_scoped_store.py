@@ -22,13 +22,14 @@ already had) cannot be recognised by offset at all; they would need event ids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from streamrec.cache.history_store import (
     AppendResult,
     History,
     HistoryEvent,
     HistoryStore,
+    TopicPartition,
     UserId,
 )
 from streamrec.cache.stats import HistoryStoreStats
@@ -62,11 +63,17 @@ class LogScopedStore(HistoryStore):
         return f"{topic}{SCOPE_SEPARATOR}{self._log_id}"
 
     async def append(self, batch: Sequence[HistoryEvent]) -> AppendResult:
-        events = [
-            HistoryEvent(e[0], self.scoped(e[1]), e[2], e[3], e[4])  # plain tuples too
-            for e in batch
-        ]
+        names: dict[str, str] = {}
+        events = []
+        for e in batch:  # plain tuples too
+            topic = names.get(e[1])
+            if topic is None:
+                topic = names[e[1]] = self.scoped(e[1])
+            events.append(HistoryEvent(e[0], topic, e[2], e[3], e[4]))
         return await self.inner.append(events)
+
+    async def drop_partitions(self, tps: Collection[TopicPartition]) -> None:
+        await self.inner.drop_partitions([(self.scoped(t), p) for t, p in tps])
 
     async def get(self, users: Sequence[UserId]) -> dict[UserId, History]:
         return await self.inner.get(users)

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from streamrec.cache.stats import HistoryStoreStats, KVTiersStats
+from streamrec.pipeline.engine import EngineStats
 from streamrec.pipeline.graphed_model import GraphStats
 from streamrec.pipeline.micro_batcher import Batch
 
@@ -69,7 +70,14 @@ class WorkerMetrics:
         )
         self.queue_delay = Histogram(
             p + "queue_delay_seconds",
-            "Time an event waits in the batcher queue",
+            "Time a user's oldest event of a batch waited in the batcher queue",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.pipeline_stage = Histogram(
+            p + "pipeline_stage_seconds",
+            "Time a batch spent per pipeline stage (prepare, pipeline_wait, execute)",
+            ["stage"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -124,6 +132,20 @@ class WorkerMetrics:
             "Unix time of the last successful commit",
             registry=r,
         )
+        self.batch_splits = Counter(
+            p + "engine_batch_splits",
+            "Batches split because the KV pool could not hold them whole",
+            registry=r,
+        )
+        self.rebuilds = Counter(
+            p + "engine_rebuilds",
+            "Cached users rebuilt from the history store instead of extended, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.store_retries = Counter(
+            p + "store_retries", "History-store calls retried after an error", registry=r
+        )
         self._seen: dict[tuple[int, str], float] = {}  # last cumulative value per series
         self._phase_seconds: dict[str, float] = {}
         self._lag_series: set[tuple[str, str]] = set()
@@ -173,15 +195,25 @@ class WorkerMetrics:
 
     # ------------------------------------------------------------------ from stats
 
-    def observe_batch(self, batch: Batch, phase_seconds: Mapping[str, float]) -> None:
-        """One processed batch: its size, its events' queue delays, and step time per phase.
+    def observe_batch(
+        self,
+        batch: Batch,
+        phase_seconds: Mapping[str, float],
+        stages: Mapping[str, float] | None = None,
+    ) -> None:
+        """One processed batch: its size, its users' queue delays, step time per phase,
+        and the pipeline ``stages`` it went through (seconds each).
 
         ``phase_seconds`` is the engine's cumulative per-phase time; the difference to the
-        previous call is this batch's share.
+        previous call is this batch's share. The queue delay is observed once per user
+        (its oldest event's), not per event: the histogram stays off the per-event path.
         """
         self.batch_users.observe(batch.n_users)
-        for delay in batch.queue_delays_s():
-            self.queue_delay.observe(max(delay, 0.0))
+        released = batch.released_at
+        for user in batch.users:
+            self.queue_delay.observe(max(released - user.first_enqueued_at, 0.0))
+        for stage, seconds in (stages or {}).items():
+            self.pipeline_stage.labels(stage).observe(max(seconds, 0.0))
         for phase, total in phase_seconds.items():
             spent = total - self._phase_seconds.get(phase, 0.0)
             self._phase_seconds[phase] = total
@@ -206,6 +238,21 @@ class WorkerMetrics:
             self._sync(self.cache_misses, "history", store.misses)
         self.kv_blocks.labels("used").set(tiers.pool.blocks_used)
         self.kv_blocks.labels("free").set(tiers.pool.blocks_free)
+
+    def sync_engine(self, stats: EngineStats) -> None:
+        """Engine counters (batch splits, rebuilds by reason, store retries), cumulative."""
+        self._sync_plain(self.batch_splits, stats.batch_splits)
+        self._sync_plain(self.store_retries, stats.store_retries)
+        self._sync(self.rebuilds, "redelivery", stats.rebuilds_after_redelivery)
+        self._sync(self.rebuilds, "burst", stats.rebuilds_after_burst)
+        self._sync(self.rebuilds, "lost", stats.rebuilds_after_loss)
+
+    def _sync_plain(self, family: Counter, cumulative: float) -> None:
+        key = (id(family), "")
+        delta = cumulative - self._seen.get(key, 0.0)
+        if delta > 0:
+            family.inc(delta)
+            self._seen[key] = cumulative
 
     def sync_graphs(self, stats: GraphStats) -> None:
         """CUDA-graph replays and the calls that fell back to eager, from cumulative stats."""

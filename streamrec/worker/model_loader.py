@@ -17,6 +17,7 @@ from streamrec.errors import ExportError, ModelError
 from streamrec.models.aoti_export import ExportConfig
 from streamrec.models.aoti_runtime import open_aoti_model
 from streamrec.models.checkpoint import Checkpoint, load_checkpoint
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
 from streamrec.worker.config import ModelConfig
 
@@ -42,13 +43,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def export_config_for(model_cfg: ModelConfig) -> ExportConfig:
+def export_config_for(scoring: ScoringConfig) -> ExportConfig:
     """The export settings the worker loads with; ``streamrec export`` uses the same."""
-    return ExportConfig(retrieve_k=max(ExportConfig().retrieve_k, model_cfg.num_candidates))
+    return ExportConfig(retrieve_k=max(ExportConfig().retrieve_k, scoring.num_candidates))
 
 
 def load_serving_model(
-    model_cfg: ModelConfig, checkpoint: Checkpoint, device: torch.device
+    model_cfg: ModelConfig,
+    checkpoint: Checkpoint,
+    device: torch.device,
+    scoring: ScoringConfig | None = None,
 ) -> tuple[ServingModel, str]:
     """The AOTI package of ``checkpoint`` from the package cache, else the eager module.
 
@@ -63,7 +67,7 @@ def load_serving_model(
             device,
             model_cfg.aoti_cache_dir,
             compile_if_missing=False,
-            config=export_config_for(model_cfg),
+            config=export_config_for(scoring or ScoringConfig()),
         )
     except ExportError as exc:
         if model_cfg.require_aoti:
@@ -83,9 +87,9 @@ def load_serving_model(
     return model, "aoti"
 
 
-def load_model(model_cfg: ModelConfig) -> LoadedModel:
+def load_model(model_cfg: ModelConfig, scoring: ScoringConfig | None = None) -> LoadedModel:
     """Load ``model_cfg.model_dir`` onto the configured device (blocking: call it off-loop)."""
     device = resolve_device(model_cfg.device)
     checkpoint = load_checkpoint(model_cfg.model_dir, device=device)
-    model, backend = load_serving_model(model_cfg, checkpoint, device)
+    model, backend = load_serving_model(model_cfg, checkpoint, device, scoring)
     return LoadedModel(checkpoint=checkpoint, model=model, backend=backend, device=device)

@@ -37,6 +37,7 @@ class _Partition:
     last_tracked: int
     tracked: deque[int] = field(default_factory=deque)  # increasing; done ones popped lazily
     unfinished: set[int] = field(default_factory=set)
+    marked: bool = False  # ``committed`` was accepted by the broker (not just the start)
 
     def position(self) -> int:
         return self.tracked[0] if self.tracked else self.last_tracked + 1
@@ -109,6 +110,26 @@ class OffsetTracker:
         self._tracked += 1
         return state.generation
 
+    def track_many(self, tp: TopicPartition, offsets: Iterable[int]) -> int:
+        """``track`` for one fetched chunk of a partition (offsets increasing)."""
+        generation = 0
+        state = self._partitions.get(tp)
+        for offset in offsets:
+            if state is None or offset <= state.last_tracked:
+                generation = self.track(tp, offset)
+                state = self._partitions[tp]
+                continue
+            state.last_tracked = offset
+            state.tracked.append(offset)
+            state.unfinished.add(offset)
+            self._tracked += 1
+            generation = state.generation
+        return generation
+
+    def done_many(self, tp: TopicPartition, offsets: Iterable[int], generation: int) -> int:
+        """``done`` for several offsets of one partition; returns how many counted."""
+        return sum(self.done(tp, offset, generation) for offset in offsets)
+
     def done(self, tp: TopicPartition, offset: int, generation: int) -> bool:
         """Mark a record's effect durable and published; False when ignored (stale/duplicate)."""
         state = self._partitions.get(tp)
@@ -143,6 +164,11 @@ class OffsetTracker:
             state = self._partitions.get(tp)
             if state is not None:
                 state.committed = pos
+                state.marked = True
+
+    def committed(self) -> dict[TopicPartition, int]:
+        """Positions this tracker's owner committed, per partition it still tracks."""
+        return {tp: s.committed for tp, s in self._partitions.items() if s.marked}
 
     def revoke(self, tps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         """Forget partitions; returns the final committable position of each one known.

@@ -6,8 +6,13 @@ would break "nothing lost". Records are keyed by ``user_id`` (recommendations) o
 source record's key (dead letters) and carry a ``content-type`` header. Batching
 (``linger_ms``, ``max_batch_size``) trades a few milliseconds for far fewer requests.
 
-Sends return as soon as the record is in the producer's buffer; ``on_ack`` runs when the
-broker acknowledged it. A send that finally fails (aiokafka has retried until its delivery
+Recommendations go out through aiokafka's batch API: the records of one step are grouped
+by output partition (the Java client's default partitioner, murmur2 of the key, so a
+consumer sees every version of a user on one partition) and each group is appended to a
+``BatchBuilder`` and sent as one batch with one acknowledgement. ``send`` per record cost
+~25 µs of event-loop time in aiokafka's accumulator, as much as the model step of a user
+on the GPU. Sends return as soon as the batch is queued; ``on_ack`` runs when the broker
+acknowledged it. A send that finally fails (aiokafka has retried until its delivery
 timeout) is reported through ``on_error``: the worker treats it as fatal, since the offsets
 behind it can never complete and a restart re-reads them from the last commit.
 """
@@ -16,19 +21,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.partitioner import murmur2
 
 from streamrec.errors import BrokerError
-from streamrec.schemas.records import DeadLetter, Recommendation
+from streamrec.schemas.records import DeadLetter
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
 from streamrec.worker.config import KafkaConfig, TopicsConfig
 
 log = logging.getLogger(__name__)
 
 AckCallback = Callable[[], None]
+BatchAckCallback = Callable[[Sequence[int]], None]
 ErrorCallback = Callable[[BaseException], None]
 
 
@@ -75,15 +82,51 @@ class Publisher:
     async def stop(self) -> None:
         await self._producer.stop()
 
-    async def publish(self, rec: Recommendation, on_ack: AckCallback) -> None:
-        """Queue one recommendation (key = user id); ``on_ack`` once the broker has it."""
-        await self._send(
-            self._topics.output,
-            rec.to_bytes(self._format),
-            rec.user_id.encode(),
-            self._headers,
-            on_ack,
-        )
+    async def publish(
+        self, records: Sequence[tuple[bytes, bytes]], on_ack: BatchAckCallback
+    ) -> None:
+        """Queue ``(key, value)`` recommendations; ``on_ack(indices)`` runs once per sent
+        batch with the positions (in ``records``) that batch carried."""
+        topic = self._topics.output
+        partitions = sorted(await self._producer.partitions_for(topic))
+        if not partitions:
+            raise BrokerError(f"output topic {topic!r} has no partitions")
+        groups: dict[int, list[int]] = {}
+        n = len(partitions)
+        for i, (key, _) in enumerate(records):
+            groups.setdefault(partitions[(murmur2(key) & 0x7FFFFFFF) % n], []).append(i)
+        for partition, members in groups.items():
+            batch = self._producer.create_batch()
+            carried: list[int] = []
+            for i in members:
+                key, value = records[i]
+                added = batch.append(key=key, value=value, timestamp=None, headers=self._headers)
+                if added is not None:
+                    carried.append(i)
+                    continue
+                if not carried:
+                    raise BrokerError(
+                        f"a recommendation of {len(value)} bytes exceeds "
+                        "kafka.producer_max_batch_bytes"
+                    )
+                await self._send_batch(batch, topic, partition, carried, on_ack)
+                batch, carried = self._producer.create_batch(), [i]
+                batch.append(key=key, value=value, timestamp=None, headers=self._headers)
+            await self._send_batch(batch, topic, partition, carried, on_ack)
+
+    async def _send_batch(
+        self,
+        batch: Any,
+        topic: str,
+        partition: int,
+        carried: list[int],
+        on_ack: BatchAckCallback,
+    ) -> None:
+        try:
+            future = await self._producer.send_batch(batch, topic, partition=partition)
+        except Exception as exc:  # aiokafka raises KafkaError subclasses and others
+            raise BrokerError(f"producing to {topic!r} failed: {exc!r}") from exc
+        self._track(future, topic, len(carried), lambda: on_ack(carried))
 
     async def dead_letter(self, letter: DeadLetter, on_ack: AckCallback) -> None:
         """Queue one dead letter (in JSON its raw value and key are base64 strings)."""
@@ -120,7 +163,12 @@ class Publisher:
             future = await self._producer.send(topic, value, key=key, headers=headers)
         except Exception as exc:  # aiokafka raises KafkaError subclasses and others
             raise BrokerError(f"producing to {topic!r} failed: {exc!r}") from exc
-        self.sent += 1
+        self._track(future, topic, 1, on_ack)
+
+    def _track(
+        self, future: asyncio.Future[Any], topic: str, records: int, on_ack: AckCallback
+    ) -> None:
+        self.sent += records
         self._in_flight += 1
         self._idle.clear()
 
@@ -129,15 +177,15 @@ class Publisher:
             if self._in_flight == 0:
                 self._idle.set()
             if fut.cancelled():
-                self.failed += 1
+                self.failed += records
                 self._on_error(BrokerError(f"send to {topic!r} was cancelled"))
                 return
             exc = fut.exception()
             if exc is not None:
-                self.failed += 1
+                self.failed += records
                 self._on_error(BrokerError(f"send to {topic!r} failed: {exc!r}"))
                 return
-            self.acked += 1
+            self.acked += records
             on_ack()
 
         future.add_done_callback(done)

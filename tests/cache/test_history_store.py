@@ -3,12 +3,12 @@ from collections.abc import Sequence
 
 import pytest
 
+from streamrec.cache.history_backends import open_history_store
 from streamrec.cache.history_store import (
     History,
     HistoryEvent,
     HistoryStore,
     Token,
-    open_history_store,
 )
 from streamrec.cache.memory_history_store import MemoryHistoryStore
 from streamrec.errors import ConfigError

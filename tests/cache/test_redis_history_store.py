@@ -1,6 +1,7 @@
 import pytest
 
-from streamrec.cache.history_store import HistoryEvent, Token, open_history_store
+from streamrec.cache.history_backends import open_history_store
+from streamrec.cache.history_store import HistoryEvent, Token
 from streamrec.cache.redis_history_store import RedisHistoryStore
 from streamrec.errors import ConfigError, StoreError
 

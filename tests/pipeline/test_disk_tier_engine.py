@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from streamrec.cache.disk_tier import HEADER_BYTES, DiskTier
-from streamrec.cache.history_store import open_history_store
+from streamrec.cache.history_backends import open_history_store
 from streamrec.cache.host_tier import HostTier
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.cache.kv_tiers import KVTiers
@@ -19,6 +19,7 @@ from tests.pipeline.test_engine import (
     BLOCK_SIZE,
     _batches,
     _model,
+    _process,
     _stream,
     assert_equals_recompute,
 )
@@ -63,9 +64,7 @@ async def test_disk_tier_incremental_equals_full_recompute_with_torn_files(
                     with entry.path.open("r+b") as fh:
                         fh.seek(HEADER_BYTES + 3)
                         fh.write(b"\xff\xfe")
-        for result in await engine.process(batch):
-            assert result.recommendation is not None
-            last[result.user_id] = result.recommendation
+        last.update(await _process(engine, batch))
     stats = engine.stats()
     tier_stats = engine.tiers.stats()
     assert tier_stats.disk is not None

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamrec.cache.history_store import open_history_store
+from streamrec.cache.history_backends import open_history_store
 from streamrec.cache.host_tier import HostTier
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.cache.kv_tiers import KVTiers
@@ -18,7 +18,8 @@ from streamrec.pipeline.delta import Delta, UserDelta
 from streamrec.pipeline.engine import Engine, EngineConfig
 from streamrec.pipeline.micro_batcher import Batch, ReleaseReason
 from streamrec.pipeline.reference import full_recompute
-from streamrec.pipeline.scorer import ScoringConfig
+from streamrec.pipeline.scoring_config import ScoringConfig
+from streamrec.schemas.records import Recommendation
 
 MAX_SEQ_LEN = 64
 BLOCK_SIZE = 4
@@ -105,6 +106,17 @@ def _recompute(model: HSTU, histories, scoring: ScoringConfig):
     )
 
 
+async def _process(engine: Engine, batch: Batch) -> dict[str, Recommendation]:
+    """The batch's recommendations as validated records, by user (every user has one)."""
+    result = await engine.process(batch)
+    records = {rec.user_id: rec for rec in result.output.records()}
+    rows = result.recommendation_rows()
+    assert [ud.user_id for ud, row in zip(batch.users, rows, strict=True) if row is not None] == [
+        result.output.user_ids[row] for row in rows if row is not None
+    ]
+    return records
+
+
 async def test_incremental_equals_full_recompute_under_eviction() -> None:
     model, vocab = _model(num_known=300)
     store = open_history_store("memory://", MAX_SEQ_LEN)
@@ -112,9 +124,9 @@ async def test_incremental_equals_full_recompute_under_eviction() -> None:
     engine = _engine(model, vocab, gpu_blocks=90, host_blocks=160, store=store)
     last = {}
     for batch in _batches(_stream(5_000, 200, 300, seed=1), events_per_batch=40):
-        for result in await engine.process(batch):
-            assert result.recommendation is not None
-            last[result.user_id] = result.recommendation
+        recs = await _process(engine, batch)
+        assert set(recs) == {ud.user_id for ud in batch.users}
+        last.update(recs)
     stats = engine.stats()
     assert stats.gpu_hits > 100 and stats.host_hits > 100 and stats.misses > 200
     assert stats.tokens_extended > 1_000
@@ -145,14 +157,12 @@ async def test_redelivered_events_rebuild_and_publish_same_state() -> None:
     batches = _batches(stream, events_per_batch=10)
     first = {}
     for batch in batches:
-        for result in await engine.process(batch):
-            first[result.user_id] = result.recommendation
+        first.update(await _process(engine, batch))
     # The whole stream again (a consumer restarting from an old commit): nothing applies,
     # every user is rebuilt from the store and gets the same list at the same version.
     again = {}
     for batch in batches:
-        for result in await engine.process(batch):
-            again[result.user_id] = result.recommendation
+        again.update(await _process(engine, batch))
     assert engine.stats().rebuilds_after_redelivery > 0
     for user, rec in first.items():
         assert again[user].version == rec.version
@@ -167,18 +177,16 @@ async def test_a_burst_longer_than_the_window_rebuilds_exactly() -> None:
     stream = _stream(10 + 2 * MAX_SEQ_LEN, 1, 40, seed=4)  # one user
     first, burst = _batches(stream[:10], 10)[0], _batches(stream[10:], 2 * MAX_SEQ_LEN)[0]
     await engine.process(first)
-    (result,) = await engine.process(
-        Batch(1, burst.users, burst.reason, burst.released_at, burst.n_events)
+    recs = await _process(
+        engine, Batch(1, burst.users, burst.reason, burst.released_at, burst.n_events)
     )
     assert engine.stats().rebuilds_after_burst == 1
     histories = await store.get(["u0"])
     assert len(histories["u0"]) == MAX_SEQ_LEN  # the window
     want = _recompute(model, histories, engine.config.scoring)["u0"]
-    assert result.recommendation is not None
-    assert result.recommendation.version == 10 + 2 * MAX_SEQ_LEN
-    assert [i for i, _ in result.recommendation.items] == [
-        vocab.external(int(r)) for r in want.items
-    ]
+    rec = recs["u0"]
+    assert rec.version == 10 + 2 * MAX_SEQ_LEN
+    assert [i for i, _ in rec.items] == [vocab.external(int(r)) for r in want.items]
     await engine.close()
 
 
@@ -206,13 +214,65 @@ async def test_store_outage_is_retried_not_skipped() -> None:
     engine_cfg = engine.config
     assert engine_cfg.store_retry_initial_s < 0.1
     batch = _batches(_stream(8, 2, 20, seed=3), events_per_batch=8)[0]
-    results = await engine.process(batch)
+    result = await engine.process(batch)
     assert engine.stats().store_retries == 3
-    assert all(r.recommendation is not None for r in results)
-    assert sum(len(r.sources) for r in results) == 8
+    assert all(row is not None for row in result.recommendation_rows())
+    assert sum(ud.n_events for ud in result.batch.users) == 8
     await engine.close()
 
 
 def test_engine_config_rejects_bad_backoff() -> None:
     with pytest.raises(Exception, match="backoff"):
         EngineConfig(model_name="m", model_version="v", store_retry_initial_s=0.0)
+
+
+def _user_batch(seq: int, events: dict[str, int], start_offset: int) -> Batch:
+    """One batch with ``events[user]`` playback events per user, offsets increasing."""
+    users, offset = [], start_offset
+    for user, n in events.items():
+        deltas = []
+        for _ in range(n):
+            ts = 1_700_000_000_000 + 1_000 * offset
+            deltas.append(Delta(user, f"i{offset % 30}", 1, ts, "pb", 0, offset))
+            offset += 1
+        users.append(UserDelta(user, tuple(deltas)))
+    return Batch(seq, tuple(users), ReleaseReason.SIZE, 0.0, sum(events.values()))
+
+
+async def test_a_batch_too_big_for_the_pool_is_split_and_a_lost_user_rebuilt() -> None:
+    """The split-on-no-room path and the ``lost`` re-read, asserted.
+
+    Nine blocks of four tokens hold a1..a3 (twelve tokens each). The next batch brings one
+    token each (a new block each) and a new user b: five blocks, none free, all pinned:
+    NoRoom, so the step splits it. The first half (a1, a2) evicts the least recently used
+    unpinned user, a3, and with no host tier a3 is gone by its turn: the engine reads its
+    history again and rebuilds it. Every list still equals the full recompute."""
+    model, vocab = _model(num_known=30)
+    store = open_history_store("memory://", MAX_SEQ_LEN)
+    engine = _engine(model, vocab, gpu_blocks=9, host_blocks=0, store=store)
+    await engine.process(_user_batch(0, {"a1": 12, "a2": 12, "a3": 12}, 0))
+    assert engine.cached_users() == {"a1", "a2", "a3"}
+    recs = await _process(engine, _user_batch(1, {"a1": 1, "a2": 1, "a3": 1, "b": 4}, 36))
+    stats = engine.stats()
+    assert stats.batch_splits >= 1
+    assert stats.rebuilds_after_loss == 1
+    histories = await store.get(sorted(recs))
+    want = _recompute(model, histories, engine.config.scoring)
+    for user, rec in recs.items():
+        assert rec.version == histories[user].total_appended
+        assert [i for i, _ in rec.items] == [vocab.external(int(r)) for r in want[user].items]
+    await engine.close()
+
+
+async def test_users_of_names_the_cached_users_of_revoked_partitions() -> None:
+    model, vocab = _model(num_known=30)
+    store = open_history_store("memory://", MAX_SEQ_LEN)
+    engine = _engine(model, vocab, gpu_blocks=32, host_blocks=0, store=store)
+    batch = _user_batch(0, {"a": 2, "b": 2}, 0)
+    moved = UserDelta("b", tuple(d._replace(partition=1) for d in batch.users[1].deltas))
+    await engine.process(Batch(0, (batch.users[0], moved), ReleaseReason.SIZE, 0.0, 4))
+    assert engine.users_of([("pb", 1)]) == ["b"]
+    assert engine.users_of([("pb", 0), ("pb", 1)]) == ["a", "b"]
+    await engine.drop(engine.users_of([("pb", 1)]))
+    assert engine.cached_users() == {"a"}
+    await engine.close()

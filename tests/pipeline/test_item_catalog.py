@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from streamrec.cache.embedding_cache import EmbeddingCache
-from streamrec.cache.history_store import open_history_store
+from streamrec.cache.history_backends import open_history_store
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.cache.kv_tiers import KVTiers
 from streamrec.cache.retrieval_set import RetrievalSet
@@ -19,7 +19,7 @@ from streamrec.models.vocabulary import ItemVocabulary
 from streamrec.pipeline.engine import Engine, EngineConfig
 from streamrec.pipeline.item_catalog import ItemCatalog
 from streamrec.pipeline.scorer import ScoringConfig
-from tests.pipeline.test_engine import _batches, _model, _stream
+from tests.pipeline.test_engine import _batches, _model, _process, _stream
 
 SCORING = ScoringConfig(top_k=8, num_candidates=16, exclude_recent=4)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -68,8 +68,8 @@ async def test_embedding_cache_engine_outputs_equal_the_all_gpu_table(device: st
     cached = _engine(cached_model, vocab, catalog, device)
     compared = 0
     for batch in _batches(_stream(1_200, 40, 1500, seed=4), events_per_batch=8):
-        want = {r.user_id: r.recommendation for r in await plain.process(batch)}
-        got = {r.user_id: r.recommendation for r in await cached.process(batch)}
+        want = await _process(plain, batch)
+        got = await _process(cached, batch)
         assert want.keys() == got.keys()
         for user, rec in got.items():
             ref = want[user]
@@ -98,9 +98,8 @@ async def test_embedding_cache_with_a_small_retrievable_set_returns_only_members
     catalog.bind(model)
     engine = _engine(model, vocab, catalog)
     for batch in _batches(_stream(300, 20, 400, seed=5), events_per_batch=10):
-        for result in await engine.process(batch):
-            assert result.recommendation is not None
-            for item, _ in result.recommendation.items:
+        for rec in (await _process(engine, batch)).values():
+            for item, _ in rec.items:
                 assert catalog.retrievable._position_of[vocab.index(item)] >= 0
     assert catalog.stats()[1].swapped > 0  # popular items were swapped in while serving
     await engine.close()

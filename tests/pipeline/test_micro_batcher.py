@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from streamrec.errors import PipelineError
 from streamrec.pipeline.clock import FakeClock
-from streamrec.pipeline.delta import Delta, SourceOffset
+from streamrec.pipeline.delta import Delta, SourceOffset, event_time_order
 from streamrec.pipeline.micro_batcher import (
     Batch,
     BatcherClosed,
@@ -110,7 +110,7 @@ async def test_zero_max_wait_releases_whatever_is_pending_at_once(clock):
     assert pending.result().reason is ReleaseReason.TIME
 
 
-async def test_coalesces_each_users_events_in_arrival_order_with_their_sources(clock):
+async def test_coalesces_each_users_events_in_event_time_order_with_their_sources(clock):
     batcher = make(clock, max_batch_users=5)
     arrivals = [
         delta("a", 10, "playback", 1),
@@ -126,15 +126,32 @@ async def test_coalesces_each_users_events_in_arrival_order_with_their_sources(c
     assert [u.user_id for u in batch.users] == ["a", "b", "c"]
     a = batch.users[0]
     assert a.n_events == 3
-    assert a.item_ids == ("item-10", "item-7", "item-11")
-    assert a.ts_ms == (1_010, 1_007, 1_011)
+    # The interaction arrived second but happened first: the two partitions merge by time.
+    assert a.item_ids == ("item-7", "item-10", "item-11")
+    assert a.ts_ms == (1_007, 1_010, 1_011)
     assert a.newest_ts_ms == 1_011
     assert a.sources == (
-        SourceOffset("playback", 1, 10),
         SourceOffset("interaction", 1, 7),
+        SourceOffset("playback", 1, 10),
         SourceOffset("playback", 1, 11),
     )
     assert sorted(batch.sources()) == sorted(d.source for d in arrivals)
+
+
+def test_event_time_merge_keeps_each_partitions_offset_order() -> None:
+    """An event time that goes back inside one partition stays where the producer put it
+    (the store's per-partition watermarks need offset order); only partitions interleave."""
+    late = delta("a", 2)._replace(ts_ms=10)  # playback offset 2 happened before offset 1
+    early = delta("a", 1)._replace(ts_ms=50)
+    other = delta("a", 1, "interaction")._replace(ts_ms=20)
+    merged = event_time_order([early, late, other])
+    assert [(d.topic, d.offset) for d in merged] == [
+        ("interaction", 1),
+        ("playback", 1),
+        ("playback", 2),
+    ]
+    # The same events fetched in another interleaving give the same order.
+    assert event_time_order([other, early, late]) == merged
 
 
 async def test_more_users_than_a_batch_holds_are_split_oldest_first_in_sequence(clock):

@@ -25,15 +25,17 @@ from streamrec.models.checkpoint import load_checkpoint, save_checkpoint
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
 from streamrec.models.vocabulary import ItemVocabulary
+from streamrec.pipeline.micro_batcher import BatcherConfig
 from streamrec.pipeline.reference import full_recompute
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import InteractionEvent, PlaybackEvent
 from streamrec.schemas.records import DeadLetter, Recommendation
 from streamrec.schemas.validation import ErrorKind
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER
-from streamrec.worker.app import App, serving_scoring
+from streamrec.worker import serving_pipeline
+from streamrec.worker.app import App
 from streamrec.worker.config import (
-    BatchingConfig,
     CacheConfig,
     GroupConfig,
     HttpConfig,
@@ -44,6 +46,7 @@ from streamrec.worker.config import (
     TopicsConfig,
     WorkerConfig,
 )
+from streamrec.worker.serving_stack import serving_scoring
 
 PARTITIONS = 4
 MAX_RECORD_BYTES = 2_048
@@ -130,9 +133,10 @@ def worker_config(
         group=GroupConfig(
             group_id=group_id, commit_interval_ms=100, drain_timeout_s=drain_timeout_s
         ),
-        batching=BatchingConfig(max_batch_users=64, max_wait_ms=5.0),
+        batching=BatcherConfig(max_batch_users=64, max_wait_ms=5.0),
+        scoring=ScoringConfig(num_candidates=16, top_k=5),
         cache=CacheConfig(kv_budget_bytes=kv_blocks_bytes, block_size=BLOCK_SIZE),
-        model=ModelConfig(model_dir=model_dir, device="cpu", num_candidates=16, top_k=5),
+        model=ModelConfig(model_dir=model_dir, device="cpu"),
         store=StoreConfig(url=store_url),
         http=HttpConfig(host="127.0.0.1", port=0),
         log=LogConfig(format="json", level="INFO"),
@@ -324,7 +328,7 @@ def assert_matches_recompute(
         max_seq_len=hstu.max_seq_len,
         dtype=torch.float32,
         task_names=hstu.task_names,
-        scoring=serving_scoring(config.model, hstu),
+        scoring=serving_scoring(config.scoring, hstu),
         block_size=BLOCK_SIZE,
     )
     assert set(expected) == set(latest)
@@ -400,7 +404,8 @@ class Published:
     latest: dict[str, Recommendation] = field(default_factory=dict)
     count: int = 0
 
-    def __call__(self, rec: Recommendation, latency_s: float) -> None:
+    def __call__(self, published: serving_pipeline.Published) -> None:
+        rec = published.recommendation()
         self.count += 1
         have = self.latest.get(rec.user_id)
         if have is None or rec.version >= have.version:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrec.cache.history_store import open_history_store
+from streamrec.cache.history_backends import open_history_store
 from streamrec.errors import BrokerError
 from streamrec.tools.devbroker import free_port
 from streamrec.worker.app import App

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrec.cache.history_store import open_history_store
+from streamrec.cache.history_backends import open_history_store
 from streamrec.schemas.codec import RawRecord, decode_batch
 from streamrec.schemas.events import EventKind
 from streamrec.tools.cli import render_toml

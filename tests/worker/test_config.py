@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from streamrec.errors import ConfigError
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.worker.config import (
     SECRET_MASK,
-    BatchingConfig,
     CacheConfig,
     GroupConfig,
     HttpConfig,
@@ -131,7 +131,13 @@ def test_toml_int_accepted_for_float_field_and_str_for_path(tmp_path: Path) -> N
         ("flag", {"cache.kv_budget_fraction": "1.5"}, ["kv_budget_fraction", "1.5"]),
         ("flag", {"topics.output": "bad topic"}, ["topics.output", "'bad topic'"]),
         ("flag", {"topics.output": "playback-events"}, ["topics.output", "topics.playback"]),
-        ("flag", {"model.top_k": "500"}, ["model.top_k", "500", "num_candidates"]),
+        ("flag", {"scoring.top_k": "500"}, ["scoring.num_candidates", "200", "top_k (500)"]),
+        ("flag", {"batching.max_batch_users": "0"}, ["batching.max_batch_users", "0"]),
+        (
+            "flag",
+            {"batching.max_batch_users": "9000"},
+            ["batching.max_batch_users", "9000", "queue_high_watermark"],
+        ),
         ("flag", {"group.commit_interval_ms": "0"}, ["group.commit_interval_ms", "0"]),
         (
             "flag",
@@ -174,7 +180,7 @@ def test_bad_values_name_field_and_value(
         (KafkaConfig, {"client_id": 3}, ["kafka.client_id", "3", "string"]),
         (TopicsConfig, {"playback": ""}, ["topics.playback", "''"]),
         (GroupConfig, {"group_id": ""}, ["group.group_id", "''"]),
-        (BatchingConfig, {"max_batch_users": 0}, ["batching.max_batch_users", "0"]),
+        (ScoringConfig, {"top_k": 0}, ["top_k", "0"]),
         (CacheConfig, {"kv_budget_bytes": -1}, ["cache.kv_budget_bytes", "-1"]),
         (ModelConfig, {"model_dir": "str-not-path"}, ["model.model_dir", "path"]),
         (StoreConfig, {"url": "file:///x"}, ["store.url", "'file:///x'"]),

@@ -26,8 +26,10 @@ import numpy as np
 import pytest
 import torch
 
-from streamrec.cache.history_store import History, open_history_store
+from streamrec.cache.history_backends import open_history_store
+from streamrec.cache.history_store import History
 from streamrec.cache.kv_cache import KVCacheConfig
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import InteractionEvent, PlaybackEvent
 from streamrec.schemas.validation import ErrorKind
@@ -285,7 +287,9 @@ async def test_malformed_flood_keeps_valid_throughput(broker, unique_topic, mode
     """10% malformed records cost dead-letter sends, not engine time: valid events/s stay
     within 20% of a clean run of the same size (best of three each, interleaved)."""
     loaded = await asyncio.to_thread(
-        load_model, ModelConfig(model_dir=model_dir, device="cpu", num_candidates=16, top_k=5)
+        load_model,
+        ModelConfig(model_dir=model_dir, device="cpu"),
+        ScoringConfig(num_candidates=16, top_k=5),
     )
     clean: list[float] = []
     flood: list[float] = []

@@ -11,6 +11,7 @@ import torch
 from streamrec.errors import ModelError
 from streamrec.models.aoti_runtime import AOTIModel, open_aoti_model
 from streamrec.models.checkpoint import load_checkpoint
+from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.worker.config import ModelConfig
 from streamrec.worker.model_loader import export_config_for, load_model
 from tests.models.aoti_fixtures import CACHE_DIR, EXPORT, tiny_model_dir
@@ -22,7 +23,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_worker_and_tests_share_one_export_config() -> None:
-    assert export_config_for(ModelConfig()) == EXPORT
+    assert export_config_for(ScoringConfig()) == EXPORT
 
 
 def test_serves_aoti_when_the_package_exists(model_dir: Path) -> None:

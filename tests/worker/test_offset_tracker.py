@@ -219,3 +219,31 @@ def test_positions_match_a_brute_force_model(ops):
         assert tracker.committable() == model.committable()
         pending = {tp: sum(not d for d in offs.values()) for tp, offs in model.offsets.items()}
         assert tracker.stats().pending == pending
+
+
+def test_track_many_and_done_many_match_one_at_a_time() -> None:
+    one, many = OffsetTracker(), OffsetTracker()
+    tp = ("t", 0)
+    gens = [one.track(tp, off) for off in (5, 6, 8, 9)]
+    gen = many.track_many(tp, [5, 6, 8, 9])
+    assert gens == [gen] * 4
+    assert many.track_many(tp, [9, 10]) == gen  # a redelivered 9 is not tracked twice
+    one.track(tp, 10)
+    for tracker in (one, many):
+        assert tracker.stats().duplicate_tracks == (1 if tracker is many else 0)
+    assert many.done_many(tp, [5, 6, 8], gen) == 3
+    for off in (5, 6, 8):
+        one.done(tp, off, gen)
+    assert one.committable() == many.committable() == {tp: 9}
+
+
+def test_committed_reports_only_positions_the_broker_accepted() -> None:
+    tracker = OffsetTracker()
+    tp = ("t", 1)
+    gen = tracker.track_many(tp, [0, 1, 2])
+    assert tracker.committed() == {}  # the start position is not a commit of ours
+    tracker.done_many(tp, [0, 1], gen)
+    tracker.mark_committed(tracker.committable())
+    assert tracker.committed() == {tp: 2}
+    tracker.revoke([tp])
+    assert tracker.committed() == {}

@@ -1,0 +1,100 @@
+"""One batch of recommendations as arrays, encoded to the wire in one pass.
+
+The worker publishes one recommendation per user per step, a few thousand a second per
+GPU; building a validated :class:`Recommendation` for each (every item id, score and task
+score checked in ``__post_init__``) cost a fifth of the event loop (issue 13). What the
+model produced needs no re-validation: the arrays have known shapes and dtypes, and the
+item ids come from the vocabulary. So the batch is kept as arrays and encoded straight to
+msgpack or JSON; a consumer validates at its own boundary with
+``Recommendation.from_bytes``, which accepts exactly these records (tested).
+
+``records()`` builds the validated objects for callers that want them (the demo, tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from streamrec.errors import SchemaError
+from streamrec.schemas.records import CacheOutcome, Recommendation
+from streamrec.schemas.validation import ErrorKind
+from streamrec.schemas.wire import WireFormat, dumps
+
+
+@dataclass(frozen=True)
+class RecommendationBatch:
+    """``B`` users' recommendations; row ``b`` of every array belongs to ``user_ids[b]``."""
+
+    user_ids: Sequence[str]  # [B]
+    item_ids: npt.NDArray[np.object_]  # [B, K] external item ids (str), best first
+    scores: npt.NDArray[np.float32]  # [B, K]
+    task_scores: npt.NDArray[np.float32] | None  # [B, K, tasks], aligned with item_ids
+    task_names: tuple[str, ...]
+    versions: npt.NDArray[np.int64]  # [B]
+    last_event_ts_ms: npt.NDArray[np.int64]  # [B]
+    cache_outcomes: Sequence[CacheOutcome]  # [B]
+    generated_at_ms: int
+    model_name: str
+    model_version: str
+    timings_ms: Mapping[str, float] | None = None  # the step's phases, shared by the batch
+
+    def __post_init__(self) -> None:
+        b = len(self.user_ids)
+        shapes = {
+            "item_ids": self.item_ids.shape[:1],
+            "scores": self.scores.shape[:1],
+            "versions": self.versions.shape,
+            "last_event_ts_ms": self.last_event_ts_ms.shape,
+        }
+        bad = {name: shape for name, shape in shapes.items() if shape != (b,)}
+        if bad or len(self.cache_outcomes) != b or self.item_ids.shape != self.scores.shape:
+            raise SchemaError(
+                ErrorKind.WRONG_TYPE,
+                f"recommendation batch of {b} users has rows {bad or shapes} and "
+                f"{len(self.cache_outcomes)} cache outcomes",
+            )
+
+    def __len__(self) -> int:
+        return len(self.user_ids)
+
+    def wire_maps(self) -> list[dict[str, object]]:
+        """Each row as the map ``Recommendation.to_wire`` would give (same keys, order)."""
+        ids = self.item_ids.tolist()  # one C call per array instead of one per element
+        scores = self.scores.tolist()
+        versions = self.versions.tolist()
+        last = self.last_event_ts_ms.tolist()
+        tasks = None if self.task_scores is None else self.task_scores.tolist()
+        timings = dict(self.timings_ms) if self.timings_ms is not None else None
+        out: list[dict[str, object]] = []
+        for b, user in enumerate(self.user_ids):
+            fields: dict[str, object] = {
+                "user_id": user,
+                "items": [list(pair) for pair in zip(ids[b], scores[b], strict=True)],
+                "model_name": self.model_name,
+                "model_version": self.model_version,
+                "version": versions[b],
+                "last_event_ts_ms": last[b],
+                "generated_at_ms": self.generated_at_ms,
+                "cache_outcome": self.cache_outcomes[b].value,
+            }
+            if tasks is not None:
+                rows = tasks[b]  # [K][tasks]
+                fields["task_scores"] = {
+                    name: [row[col] for row in rows] for col, name in enumerate(self.task_names)
+                }
+            if timings is not None:
+                fields["timings_ms"] = timings
+            out.append(fields)
+        return out
+
+    def encode(self, fmt: WireFormat = WireFormat.MSGPACK) -> list[bytes]:
+        """Wire bytes per user, in row order."""
+        return [dumps(fields, fmt) for fields in self.wire_maps()]
+
+    def records(self) -> list[Recommendation]:
+        """Validated objects (off the hot path: the demo, tests)."""
+        return [Recommendation.from_wire(fields) for fields in self.wire_maps()]

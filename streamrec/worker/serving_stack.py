@@ -1,0 +1,109 @@
+"""What the engine serves with, built from the configuration and the loaded model.
+
+- ``build_tiers``: the KV pool sized from ``[cache]`` (bytes, or a fraction of the free
+  device memory, capped on the CPU where the RAM is shared) and the pinned host tier;
+- ``serving_model``: the loaded backend, replayed from CUDA graphs where that applies;
+- ``serving_scoring``: the configured sizes clamped to the model's catalogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Final
+
+from streamrec.cache.host_tier import HostTier
+from streamrec.cache.kv_cache import KVCache, KVCacheConfig
+from streamrec.cache.kv_tiers import KVTiers
+from streamrec.models.config import HSTUConfig
+from streamrec.pipeline.graphed_model import GraphConfig, GraphedModel
+from streamrec.pipeline.scoring_config import ScoringConfig
+from streamrec.pipeline.serving_model import ServingModel
+from streamrec.worker.config import CacheConfig, WorkerConfig
+from streamrec.worker.model_loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+_CPU_KV_BUDGET_CAP: Final = 256 << 20  # auto-sized KV pool on the CPU: RAM is shared
+
+
+def serving_model(
+    config: WorkerConfig, loaded: LoadedModel, cache: KVCache, scoring: ScoringConfig
+) -> ServingModel:
+    """The loaded model, inside CUDA graphs on a GPU with ``model.cuda_graphs`` (blocking:
+    the captures take seconds). AOTI packages are not captured: their input checks read
+    values on the host, which a capture forbids."""
+    graphs = config.model.cuda_graphs and loaded.backend == "eager"
+    if loaded.device.type != "cuda" or not graphs:
+        return loaded.model
+    return capture_graphs(config, loaded.model, cache, scoring, loaded.checkpoint.config)
+
+
+def capture_graphs(
+    config: WorkerConfig,
+    model: ServingModel,
+    cache: KVCache,
+    scoring: ScoringConfig,
+    hstu: HSTUConfig,
+) -> GraphedModel:
+    """Capture extend and rank as CUDA graphs now, so no step pays for a capture.
+
+    Buckets are powers of two: extend up to ``graph_max_tokens`` new tokens (a step
+    can carry several events per user), rank up to the batcher's ``max_batch_users``.
+    """
+    max_tokens = config.model.graph_max_tokens
+    buckets = tuple(1 << i for i in range(max_tokens.bit_length()))
+    max_users = config.batching.max_batch_users
+    rank = [b for b in buckets if b < 2 * max_users] if scoring.num_candidates else []
+    shapes = GraphConfig(
+        max_blocks=-(-hstu.max_seq_len // cache.config.block_size) + 1,
+        num_candidates=max(1, scoring.num_candidates),
+        buckets=buckets,
+    )
+    graphed = GraphedModel(model, cache.kv, cache.ts, shapes)
+    graphed.warm_up(extend=buckets, rank=rank)
+    log.info(
+        "CUDA graphs captured",
+        extra={"graphs": graphed.stats.captures, "seconds": round(graphed.stats.capture_s, 1)},
+    )
+    return graphed
+
+
+def build_tiers(c: CacheConfig, loaded: LoadedModel) -> KVTiers:
+    """The GPU pool (allocated once, here) and the host tier behind it."""
+    hstu = loaded.checkpoint.config
+    geometry = KVCacheConfig(
+        hstu.num_layers, hstu.num_heads, hstu.head_dim, c.block_size, hstu.torch_dtype
+    )
+    if c.kv_budget_bytes:
+        cache = KVCache.from_budget(geometry, loaded.device, budget_bytes=c.kv_budget_bytes)
+    elif loaded.device.type == "cpu":  # RAM is shared with everything else: cap it
+        cache = KVCache.from_budget(
+            geometry,
+            loaded.device,
+            free_fraction=c.kv_budget_fraction,
+            cap_bytes=_CPU_KV_BUDGET_CAP,
+        )
+    else:
+        cache = KVCache.from_budget(geometry, loaded.device, free_fraction=c.kv_budget_fraction)
+    # A host tier only pays off behind a GPU pool; on the CPU it would copy RAM to RAM.
+    host = None
+    if c.host_tier_bytes > 0 and loaded.device.type == "cuda":
+        host = HostTier.from_budget(cache, c.host_tier_bytes)
+    return KVTiers(cache, host, hstu.max_seq_len)
+
+
+def serving_scoring(scoring: ScoringConfig, hstu: HSTUConfig) -> ScoringConfig:
+    """The scoring the worker serves with: the configured sizes, clamped to the catalogue
+    (a small model may have fewer items than ``num_candidates``), and the task weights
+    restricted to the model's tasks. The offline recompute must use the same."""
+    retrievable = hstu.num_items - hstu.first_item_row
+    exclude = min(scoring.exclude_recent, max(retrievable - 1, 0))
+    pool = max(1, min(scoring.num_candidates, retrievable - exclude))
+    return dataclasses.replace(
+        scoring,
+        top_k=min(scoring.top_k, pool),
+        num_candidates=pool if scoring.num_candidates else 0,
+        exclude_recent=exclude,
+        task_weights={k: v for k, v in scoring.task_weights.items() if k in hstu.task_names},
+    )
