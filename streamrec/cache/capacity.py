@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from streamrec.cache.disk_tier import HEADER_BYTES
 from streamrec.cache.kv_cache import KVCacheConfig
+from streamrec.cache.kv_file import HEADER_BYTES
 from streamrec.errors import ConfigError
 
 HISTORY_TOKEN_BYTES = 24  # (item, action, ts_ms) as three int64

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
 import threading
 import time
 import zlib
@@ -49,18 +48,20 @@ import torch
 from streamrec.cache.block_pool import UserKey
 from streamrec.cache.host_tier import HostCopy, block_runs
 from streamrec.cache.kv_cache import KVCache
+from streamrec.cache.kv_file import (
+    CHUNK_BYTES,
+    HEADER_BYTES,
+    SUFFIX,
+    KVFileHeader,
+    chunk_crcs,
+    parse_header,
+    read_into,
+    temporary,
+    unlink,
+    write_all,
+)
 from streamrec.cache.stats import DiskTierStats
 from streamrec.errors import CacheError, ConfigError
-
-MAGIC = b"SRKV"
-FORMAT_VERSION = 1
-HEADER_BYTES = 4096  # the payload starts page-aligned
-CHUNK_BYTES = 4 << 20  # checksum and read granularity
-SUFFIX = ".kv"
-# magic, format, seq, length, blocks, layers, heads, head_dim, block_size, payload bytes,
-# chunk bytes, chunks, key bytes, version bytes, dtype bytes
-_FIXED = struct.Struct("<4sIQQIIIIIQIIHHH")
-_CRC = struct.Struct("<I")
 
 
 @dataclass
@@ -142,8 +143,6 @@ class DiskTier:
             raise ConfigError(f"disk tier directory {str(self.directory)!r}: {exc}") from exc
         cfg = cache.config
         self._kv_block = cfg.bytes_per_block - cfg.block_size * 8  # K/V bytes of one block
-        self._geometry = (cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.block_size)
-        self._dtype_name = str(cfg.dtype).encode()
         pin = cache.device.type == "cuda"
         capacity = payload_bytes(cache, max_blocks)
         self._free_slots: list[_Slot] = []
@@ -266,15 +265,15 @@ class DiskTier:
             copy.ts[first : first + count].view(torch.uint8).numpy().reshape(-1)
             for _, first, count in block_runs(list(copy.blocks))
         ]
-        crcs = _chunk_crcs(pieces)
-        header = self._header(user, entry, crcs)
-        tmp = entry.path.with_name("." + entry.path.name + ".tmp")
+        crcs = chunk_crcs(pieces)
+        header = self._expected_header(user, entry).pack(crcs)
+        tmp = temporary(entry.path)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            _write_all(fd, header, 0)
+            write_all(fd, header, 0)
             offset = HEADER_BYTES
             for piece in pieces:
-                _write_all(fd, piece, offset)
+                write_all(fd, piece, offset)
                 offset += piece.size
             if self.fsync:
                 os.fsync(fd)
@@ -282,19 +281,18 @@ class DiskTier:
             os.close(fd)
         os.replace(tmp, entry.path)
 
-    def _header(self, user: UserKey, entry: _Entry, crcs: list[int]) -> bytes:
-        key = user.encode()
-        version = self.model_version.encode()
-        fixed = _FIXED.pack(
-            MAGIC, FORMAT_VERSION, entry.seq, entry.length, entry.n_blocks, *self._geometry,
-            payload_bytes(self.cache, entry.n_blocks), CHUNK_BYTES, len(crcs), len(key),
-            len(version), len(self._dtype_name),
-        )  # fmt: skip
-        body = fixed + key + version + self._dtype_name + b"".join(_CRC.pack(c) for c in crcs)
-        if len(body) + _CRC.size > HEADER_BYTES:
-            raise CacheError(f"disk tier header of {len(body)} bytes overflows {HEADER_BYTES}")
-        body += _CRC.pack(zlib.crc32(body))
-        return body + bytes(HEADER_BYTES - len(body))
+    def _expected_header(self, user: UserKey, entry: _Entry) -> KVFileHeader:
+        cfg = self.cache.config
+        return KVFileHeader(
+            seq=entry.seq,
+            length=entry.length,
+            n_blocks=entry.n_blocks,
+            geometry=(cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.block_size),
+            payload_bytes=payload_bytes(self.cache, entry.n_blocks),
+            user=user,
+            model_version=self.model_version,
+            dtype=str(cfg.dtype),
+        )
 
     def _make_room(self, nbytes: int) -> bool:
         """Delete idle files, oldest first, until ``nbytes`` more fit (lock held)."""
@@ -412,37 +410,17 @@ class DiskTier:
         if fd < 0:
             return None
         try:
-            raw = os.pread(fd, HEADER_BYTES, 0)
+            parsed = parse_header(os.pread(fd, HEADER_BYTES, 0))
+            size = os.fstat(fd).st_size
         except OSError:
             return None
-        if len(raw) < HEADER_BYTES:
+        if parsed is None:
             return None
-        try:
-            fields = _FIXED.unpack_from(raw)
-        except struct.error:
+        header, crcs = parsed
+        expected = self._expected_header(user, entry)
+        if header != expected or size != HEADER_BYTES + expected.payload_bytes:
             return None
-        magic, fmt, seq, length, n_blocks, *geometry = fields[:9]
-        payload, chunk, n_chunks, key_len, version_len, dtype_len = fields[9:]
-        offset = _FIXED.size
-        key = raw[offset : offset + key_len]
-        offset += key_len
-        version = raw[offset : offset + version_len]
-        offset += version_len
-        dtype = raw[offset : offset + dtype_len]
-        offset += dtype_len
-        end = offset + n_chunks * _CRC.size
-        if end + _CRC.size > HEADER_BYTES or _CRC.unpack_from(raw, end)[0] != zlib.crc32(raw[:end]):
-            return None
-        expected = (MAGIC, FORMAT_VERSION, entry.seq, entry.length, entry.n_blocks)
-        if (magic, fmt, seq, length, n_blocks) != expected or tuple(geometry) != self._geometry:
-            return None
-        if key != user.encode() or version != self.model_version.encode():
-            return None
-        if dtype != self._dtype_name or payload != payload_bytes(self.cache, n_blocks):
-            return None
-        if chunk != CHUNK_BYTES or os.fstat(fd).st_size != HEADER_BYTES + payload:
-            return None
-        return [_CRC.unpack_from(raw, offset + i * _CRC.size)[0] for i in range(n_chunks)]
+        return crcs
 
     def _read_chunk(self, fd: int, slot: _Slot, lo: int, hi: int) -> tuple[int, float]:
         """Read payload bytes ``[lo, hi)`` into the slot: (their CRC32 or -1, finish time)."""
@@ -451,14 +429,7 @@ class DiskTier:
         if slot.copied is not None:
             slot.copied.synchronize()  # the previous user's host->device copy is done
         view = memoryview(slot.view[lo:hi])  # type: ignore[arg-type]
-        done = 0
-        try:
-            while done < hi - lo:
-                got = os.preadv(fd, [view[done:]], HEADER_BYTES + lo + done)
-                if got <= 0:
-                    return -1, time.perf_counter()
-                done += got
-        except OSError:
+        if not read_into(fd, view, HEADER_BYTES + lo):
             return -1, time.perf_counter()
         return zlib.crc32(view), time.perf_counter()
 
@@ -495,9 +466,9 @@ class DiskTier:
                 self._free_slots.append(read.slot)
             entry.read = None
         if unlink_now:
-            _unlink(entry.path)
+            unlink(entry.path)
         else:  # off the engine thread: freeing a large file's pages takes a while
-            self._writers.submit(_unlink, entry.path)
+            self._writers.submit(unlink, entry.path)
 
     def close(self) -> None:
         """Wait for the threads and delete every file."""
@@ -540,36 +511,3 @@ class DiskTier:
         for path in self.directory.iterdir():
             if path.name.endswith(SUFFIX) or path.name.endswith(SUFFIX + ".tmp"):
                 path.unlink(missing_ok=True)
-
-
-def _chunk_crcs(pieces: list[np.ndarray]) -> list[int]:
-    """CRC32 of each ``CHUNK_BYTES`` run of the concatenated pieces (no concatenation)."""
-    crcs: list[int] = []
-    crc, filled = 0, 0
-    for piece in pieces:
-        view = memoryview(piece)  # type: ignore[arg-type]
-        while view.nbytes:
-            take = min(view.nbytes, CHUNK_BYTES - filled)
-            crc = zlib.crc32(view[:take], crc)
-            filled += take
-            view = view[take:]
-            if filled == CHUNK_BYTES:
-                crcs.append(crc)
-                crc, filled = 0, 0
-    if filled:
-        crcs.append(crc)
-    return crcs
-
-
-def _write_all(fd: int, data: bytes | np.ndarray, offset: int) -> None:
-    view = memoryview(data)  # type: ignore[arg-type]
-    while view.nbytes:
-        done = os.pwrite(fd, view, offset)
-        view = view[done:]
-        offset += done
-
-
-def _unlink(path: Path) -> None:
-    """The file and the temporary a failed write may have left."""
-    path.unlink(missing_ok=True)
-    path.with_name("." + path.name + ".tmp").unlink(missing_ok=True)

@@ -235,6 +235,7 @@ class Engine:
     async def close(self) -> None:
         self._closing = True
         self._executor.shutdown(wait=True)
+        self.tiers.close()  # the disk tier's threads and files
         if self.catalog is not None:
             self.catalog.close()
 

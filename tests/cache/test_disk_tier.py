@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamrec.cache.disk_tier import HEADER_BYTES, SUFFIX, DiskTier, file_bytes
+from streamrec.cache.disk_tier import DiskTier, file_bytes
 from streamrec.cache.host_tier import HostTier
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig
+from streamrec.cache.kv_file import HEADER_BYTES, SUFFIX
 from streamrec.cache.kv_tiers import Admission, CacheOutcome, KVTiers
 from streamrec.errors import ConfigError
 

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import torch
 
-from streamrec.cache.disk_tier import HEADER_BYTES, DiskTier
+from streamrec.cache.disk_tier import DiskTier
 from streamrec.cache.history_backends import open_history_store
 from streamrec.cache.host_tier import HostTier
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig
+from streamrec.cache.kv_file import HEADER_BYTES
 from streamrec.cache.kv_tiers import KVTiers
 from streamrec.models.hstu import HSTU
 from streamrec.models.vocabulary import ItemVocabulary
