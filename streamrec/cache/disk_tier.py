@@ -338,12 +338,15 @@ class DiskTier:
                 fd = os.open(entry.path, os.O_RDONLY)
             except OSError:
                 fd = -1  # the header read reports the file as invalid
-            entry.read = _Read(fd, slot, self._readers.submit(self._read_header, fd, user, entry),
-                               [], time.perf_counter())  # fmt: skip
+            started = time.perf_counter()
+            header = self._readers.submit(self._read_header, fd, user, entry)
             payload = payload_bytes(self.cache, entry.n_blocks)
-            for lo in range(0, payload, CHUNK_BYTES):
-                hi = min(payload, lo + CHUNK_BYTES)
-                entry.read.chunks.append(self._readers.submit(self._read_chunk, fd, slot, lo, hi))
+            chunks = [
+                self._readers.submit(self._read_chunk, fd, slot, lo, min(payload, lo + CHUNK_BYTES))
+                for lo in range(0, payload, CHUNK_BYTES)
+            ]
+            # Published whole: ``load`` on the engine thread reads it without the lock.
+            entry.read = _Read(fd, slot, header, chunks, started)
             self._n["prefetches" if not one_off else "late_reads"] += 1
         return True
 

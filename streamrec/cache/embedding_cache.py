@@ -88,6 +88,8 @@ class EmbeddingCache:
         self._stamp = np.full(slots, -1, dtype=np.int64)  # clock of the call that last used it
         self._hand = 0
         self._resident = 0
+        if on_cuda:  # the zero fill must land before another stream's first copy
+            torch.cuda.current_stream(self.device).synchronize()
 
     # ------------------------------------------------------------------ lookups
 

@@ -101,6 +101,8 @@ class RetrievalSet:
         # [N, D] normalised rows
         self.items = torch.from_numpy(members).to(self.device)  # [N] int64 item rows
         self._write(np.arange(size, dtype=np.int64), members)
+        if self.device.type == "cuda":  # serving reads it on another stream
+            torch.cuda.current_stream(self.device).synchronize()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[RefreshPlan] | None = None
         self._since_refresh = 0
