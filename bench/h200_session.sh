@@ -59,7 +59,8 @@ for stage in "$@"; do
       cp bench/results/worker_bench_hstu-8l_cuda.json "$OUT/$stage.json" 2>/dev/null ;;
     tiers)  # issue 20: embedding cache, retrievable set, disk KV tier (~2.5 min)
       python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/cache/test_embedding_cache.py \
-        tests/cache/test_disk_tier.py tests/pipeline/test_item_catalog.py 2>&1 \
+        tests/cache/test_disk_tier.py tests/pipeline/test_item_catalog.py \
+        tests/worker/test_serving_stack.py 2>&1 \
         | tee "$OUT/tiers_gpu_tests.log" | tail -12
       python3 -m bench.tiers_bench --out "$OUT" --disk-dir "${TIERS_DISK_DIR:-$PWD}" 2>&1 | tail -40 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
