@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         progress=lambda msg: print(msg, file=sys.stderr, flush=True),
     )  # fmt: skip
     export_s = time.perf_counter() - start
-    aoti = load_package(package, device, check_values=True)
+    aoti = load_package(package, device, model, check_values=True)
     rows = []
     with torch.inference_mode():
         for batch in args.batch:

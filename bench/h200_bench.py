@@ -1,12 +1,19 @@
 """Issue 8 on the H200, side by side in one run: cache speedup, kernels, hit rates, roofline.
 
 Sections (``--sections``):
-  kernel   fused op vs torch reference, alone: extend (1 query/user) and rank (256
-           candidates/user) at batch 64 and history 2048, launch-shape variants, K/V GB/s
-  speedup  (a) full recompute (eager / torch.compile / CUDA graph, best taken) vs the
+  kernel   the fused kernels alone, history 2048, batch 1/8/64, launch shapes swept, vs the
+           previous kernels (--baseline-kernels) and the fp32 reference: attention
+           (bench/attention_sweep.py: extend with 1/4/16 new tokens per user, % of copy
+           bandwidth; rank with 256 candidates, TFLOP/s) plus prefill
+  attention  the attention part of kernel alone
+  speedup  (a) full recompute (dense: eager / torch.compile; jagged on the fused prefill
+           kernels: CUDA graph, compiled + CUDA graph; the best taken) vs the
            incremental step (extend 1 token + rank 256 candidates over the paged cache,
-           100% hits) for HSTU-3L/8L at batch 1/8/64, p50/p99; (b) incremental with the
-           torch attention vs the fused op, eager vs CUDA-graph replay
+           100% hits) for HSTU-3L/8L at batch 1/8/64/256, p50/p99; (b) incremental with
+           the torch attention vs the fused op, eager vs CUDA-graph replay; with ``--paths
+           ... aoti`` also the AOTI packages (``incremental-aoti-eager`` / ``-graph``) and
+           both backends as the worker serves them (``-graphedmodel``)
+  prefill  the fused prefill kernels alone (bench/h200_prefill.py), also run by kernel
   hitrate  (c) HSTU-8L batch 64: hit rates 100/90/50/0 %, misses onloaded from the
            pinned host tier (streamrec.cache.host_tier) inside the timed step
   aoti     (b) eager vs AOTInductor packages of extend and rank (HSTU-8L), bf16 error
@@ -19,7 +26,7 @@ Every section also records the measured ceilings (copy GB/s, bf16 TFLOP/s) for (
 from __future__ import annotations
 
 import argparse
-import tempfile
+import json
 import time
 import types
 from functools import partial
@@ -29,21 +36,38 @@ from typing import Any
 import torch
 
 from bench._report import print_table, write_results
+from bench.aoti_packages import CACHE_DIR as AOTI_CACHE_DIR
+from bench.aoti_packages import SPEEDUP_ENTRY_POINTS, reference_model_dir
+from bench.attention_sweep import summary as sweep_summary
+from bench.attention_sweep import sweep_batch, sweep_model
 from bench.h200_common import (
+    BLOCK_SIZE,
     Batch,
     build_model,
     ceilings,
     full_recompute,
+    fused_recompute,
+    fused_recompute_layer,
     graphed,
     pct,
     time_ms,
 )
+from bench.h200_prefill import prefill_sweep
 from bench.reference_config import BATCH_SIZES, HSTU_3L, HSTU_8L, SPEEDUP_HISTORY_LEN
 from bench.reference_config import ReferenceWorkload as Workload
 from streamrec.cache.block_pool import NoRoom
 from streamrec.cache.host_tier import HostTier
+from streamrec.models import candidate_attention as ca
 from streamrec.models import paged_attention as pa
-from streamrec.models.hstu import HSTULayer
+from streamrec.models import prefill_kernels as pfk
+from streamrec.models.aoti_export import ExportConfig, export_model
+from streamrec.models.aoti_runtime import AOTIModel, load_package
+from streamrec.models.checkpoint import load_checkpoint
+from streamrec.models.hstu import HSTU
+from streamrec.pipeline.graphed_model import GraphConfig, GraphedModel
+from streamrec.pipeline.serving_model import ServingModel
+
+SPEEDUP_PATHS = ("recompute", "torch", "triton", "aoti")
 
 # ------------------------------------------------------------------ sections
 
@@ -60,102 +84,20 @@ def load_baseline(path: str) -> Any:
 
 
 def kernel_section(
-    quick: bool, ceil: dict[str, float], baseline: Any = None
+    quick: bool, ceil: dict[str, float], baseline: Any = None, prefill: bool = True
 ) -> list[dict[str, object]]:
-    """The fused kernels alone on one layer's pool, launch shapes swept, vs the torch path.
-
-    extend: 1 query per user (decode kernel); rank: 256 candidates per user (candidate
-    kernel). K/V bytes are one layer's cached K and V of every user; the first 512
-    queries are checked against the fp32 dense reference.
-    """
+    """The fused kernels alone on one layer's pool, launch shapes swept, vs the previous
+    kernels (``bench/attention_sweep.py``): extend with 1, 4, 16 new tokens per user
+    (decode kernel, % of copy bandwidth) and rank with 256 candidates per user
+    (candidate kernel, TFLOP/s), each checked against the fp32 dense reference."""
     rows: list[dict[str, object]] = []
-    model = build_model(HSTU_8L)
-    layer = model.layers[0]
-    assert isinstance(layer, HSTULayer)
-    cfg = model.config
-    hd = cfg.num_heads * cfg.head_dim
-    edges: torch.Tensor = model.time_edges  # type: ignore[assignment]
+    model = sweep_model()
     for batch in [16] if quick else [1, 8, 64]:
-        data = Batch(model, batch, SPEEDUP_HISTORY_LEN, HSTU_8L.num_candidates, seed=1)
-        kv_bytes = int(data.lens.sum()) * hd * 2 * 2  # K and V of one layer, bf16
-        k_cache, v_cache = data.cache.kv[0, 0], data.cache.kv[0, 1]
-        tail = (data.cache.ts, data.tables, data.lens, layer.pos_bias, layer.time_bias, edges)
-        for kind, per_user in (("extend", 1), ("rank", HSTU_8L.num_candidates)):
-            g = batch * per_user
-            q = torch.randn(g, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
-            users = torch.arange(batch, device="cuda").repeat_interleave(per_user)
-            pos, ts = data.lens[users], data.ts[users]
-            sub = min(g, 512)
-            ref = pa.paged_silu_attention_reference(
-                q[:sub].float(), pos[:sub], ts[:sub], users[:sub], k_cache.float(),
-                v_cache.float(), *tail[:2], tail[2], tail[3].float(), tail[4].float(), tail[5],
-                cfg.max_seq_len,
-            )  # fmt: skip
-            variants: list[tuple[Any, ...]]
-            if kind == "extend":  # (block_n, warps, target programs, fast SiLU, on tensor
-                # cores (a 16-row tile per token), their stages)
-                variants = [
-                    (bn, w, tp, True, False, 3)
-                    for bn, w in ((16, 2), (32, 2), (64, 2), (64, 4)) for tp in (1024, 4096)
-                ]  # fmt: skip
-                variants += [(64, 2, 1024, False, False, 3)]  # exact SiLU
-                variants += [(bn, 4, 1024, True, True, st) for bn in (32, 64) for st in (2, 4)]
-            else:  # (block_m, block_n, warps, stages, target programs, fast SiLU)
-                variants = [
-                    (64, 32, 4, 2, 1024, False), (64, 32, 4, 2, 256, True),
-                    (128, 32, 8, 2, 256, True), (128, 32, 8, 3, 256, True),
-                    (128, 16, 8, 2, 256, True), (128, 64, 8, 2, 256, True),
-                    (128, 32, 8, 2, 128, True), (128, 32, 8, 2, 1024, True),
-                ]  # fmt: skip
-            if baseline is not None:  # the previous kernels, same inputs, same run
-                variants.insert(0, ("baseline",))
-            for var in variants:
-                if var == ("baseline",):
-                    assert baseline is not None
-                    launch = (
-                        baseline.launch_decode if kind == "extend" else baseline.launch_candidates
-                    )
-                    qb = q if kind == "extend" else q.view(batch, per_user, *q.shape[1:])
-                    args = (qb, pos, ts, users) if kind == "extend" else (qb, data.lens, data.ts)
-                    call = partial(launch, *args, k_cache, v_cache, *tail, cfg.max_seq_len)
-                elif kind == "extend":
-                    call = partial(
-                        pa.launch_decode, q, pos, ts, users, k_cache, v_cache, *tail,
-                        cfg.max_seq_len, var[0], var[1],
-                    )  # fmt: skip
-                else:
-                    qc = q.view(batch, per_user, cfg.num_heads, cfg.head_dim)
-                    call = partial(
-                        pa.launch_candidates, qc, data.lens, data.ts, k_cache, v_cache, *tail,
-                        cfg.max_seq_len, *var,
-                    )  # fmt: skip
-                try:
-                    got = call().reshape(g, cfg.num_heads, cfg.head_dim)
-                    # Graph replay: device time only (a Python launch costs ~0.5 ms here).
-                    ms = pct(time_ms(graphed(call), 20), 50)
-                except Exception as exc:  # a launch shape that does not fit (registers, smem)
-                    print(f"kernel {kind} {var}: {type(exc).__name__}: {exc}"[:300])
-                    torch.cuda.synchronize()
-                    continue
-                err = float((got[:sub].float() - ref).norm() / ref.norm())
-                flops = 4.0 * g * SPEEDUP_HISTORY_LEN * hd
-                rows.append({
-                    "section": "kernel", "op": kind, "batch": batch, "impl": "triton",
-                    "launch": "x".join(map(str, var)), "ms": round(ms, 4),
-                    "kv_gb_s": round(kv_bytes / ms / 1e6, 1),
-                    "kv_pct_copy": round(100 * kv_bytes / ms / 1e6 / ceil["copy_gb_s"], 1),
-                    "tflop_s": round(flops / ms / 1e9, 1), "rel_err_vs_fp32": round(err, 5),
-                })  # fmt: skip
-        del data
-        torch.cuda.empty_cache()
-    best: dict[tuple[str, int], dict[str, object]] = {}
-    for row in rows:
-        key = (str(row["op"]), int(row["batch"]))  # type: ignore[call-overload]
-        if key not in best or float(row["ms"]) < float(best[key]["ms"]):  # type: ignore[arg-type]
-            best[key] = row
-    for (op, bsz), row in sorted(best.items()):
-        print(f"best {op} batch {bsz}: {row['launch']} {row['ms']} ms "
-              f"({row['kv_pct_copy']}% of copy bandwidth)")  # fmt: skip
+        rows += sweep_batch(model, batch, ceil, baseline, quick)
+    for line in sweep_summary(rows):
+        print(line)
+    if prefill:  # op = prefill / prefill-candidates rows ("attention": extend/rank only)
+        rows += prefill_sweep(quick, 20)
     return rows
 
 
@@ -175,14 +117,101 @@ def step_flops_bytes(w: Workload, batch: int, history: int) -> tuple[float, floa
     return float(flops), float(weights + 2 * kv)
 
 
+def fused_recompute_paths(
+    model: HSTU, jagged: tuple[torch.Tensor, ...], cand: torch.Tensor, query_ts: torch.Tensor,
+    iters: int, compiled_layer: Any,
+) -> tuple[dict[str, list[float]], torch.Tensor | None]:  # fmt: skip
+    """The full recompute on the fused prefill kernels (jagged), CUDA-graph replayed, eager
+    and with the layer compiled by Inductor: timings and the scores (None if it failed)."""
+    results: dict[str, list[float]] = {}
+    scores = None
+    items, actions, ts, offsets = jagged
+    plain = partial(fused_recompute, model, items, actions, ts, offsets, cand, query_ts)
+    paths: list[tuple[str, Any]] = [("recompute-fused-graph", plain)]
+    if compiled_layer is not None:
+        paths.append(("recompute-fused-compiled-graph", partial(plain, layer_fn=compiled_layer)))
+    for name, fn in paths:
+        try:
+            got = fn()[1].float()
+            results[name] = time_ms(graphed(fn), iters)
+            scores = got if scores is None else scores
+        except Exception as exc:  # report and keep the other paths
+            print(f"{name} failed: {type(exc).__name__}: {exc}"[:400])
+            torch.cuda.synchronize()
+    return results, scores
+
+
+def speedup_aoti_model(model: HSTU, model_dir: Path, cache_dir: Path) -> AOTIModel:
+    """The extend and rank packages of ``model_dir`` (compiled unless bench.aoti_packages
+    did it), single-threaded runners bound to ``model``'s own weights."""
+    package = export_model(
+        model_dir, "cuda", cache_dir, config=ExportConfig(entry_points=SPEEDUP_ENTRY_POINTS),
+        progress=print, jobs=len(SPEEDUP_ENTRY_POINTS),
+    )  # fmt: skip
+    return load_package(package, torch.device("cuda"), model, entry_points=SPEEDUP_ENTRY_POINTS)
+
+
+def aoti_incremental(
+    model: HSTU, aoti: AOTIModel, data: Batch, iters: int
+) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+    """The incremental step on the AOTI packages: called directly
+    (``incremental-aoti-eager``, input checks included) and captured whole in one CUDA
+    graph like ``incremental-triton-graph`` (``incremental-aoti-graph``); then both
+    backends as the worker serves them (``-graphedmodel``: GraphedModel's per-call graphs,
+    bucket padding, and for AOTI the host-side input check before each replay). Returns
+    timings and rank outputs."""
+    results: dict[str, list[float]] = {}
+    outputs: dict[str, torch.Tensor] = {}
+
+    def probs(m: ServingModel) -> torch.Tensor:
+        return data.incremental(m)[1].float().view(data.batch, -1, model.config.num_tasks)
+
+    results["incremental-aoti-eager"] = time_ms(partial(data.incremental, aoti), iters)
+    outputs["aoti-eager"] = probs(aoti)
+    results["incremental-aoti-graph"] = time_ms(
+        graphed(partial(data.incremental, aoti.unchecked())), iters
+    )
+    outputs["aoti-graph"] = probs(aoti)  # the graph replays the same calls
+    config = GraphConfig(
+        max_blocks=-(-model.config.max_seq_len // BLOCK_SIZE) + 1,
+        num_candidates=data.cands,
+        buckets=(data.batch,),
+    )
+    for name, backend in (("triton", model), ("aoti", aoti)):
+        served = GraphedModel(backend, data.cache.kv, data.cache.ts, config)
+        served.warm_up()
+        outputs[f"{name}-graphedmodel"] = probs(served)
+        results[f"incremental-{name}-graphedmodel"] = time_ms(
+            partial(data.incremental, served), iters
+        )
+        if served.stats.eager_calls or served.stats.failed:
+            print(f"graphedmodel {name}: {served.stats}")
+    return results, outputs
+
+
 def speedup_section(
     workloads: list[Workload], batches: list[int], iters: int, compile_baseline: bool,
-    ceil: dict[str, float], compile_incremental: bool = False,
+    ceil: dict[str, float], compile_incremental: bool = False, compile_fused: bool = True,
+    paths: tuple[str, ...] = ("recompute", "torch", "triton"), aoti_cache: Path = AOTI_CACHE_DIR,
 ) -> list[dict[str, object]]:  # fmt: skip
     rows: list[dict[str, object]] = []
+    # One compile serves every layer, batch and workload (tensors-only signature, dynamic).
+    compiled_layer = torch.compile(fused_recompute_layer, dynamic=True) if compile_fused else None
     for w in workloads:
-        model = build_model(w)
-        compiled = torch.compile(full_recompute, dynamic=False) if compile_baseline else None
+        model_dir = reference_model_dir(w) if "aoti" in paths else None
+        # The AOTI packages are compiled for the reference model directory's weights.
+        model = load_checkpoint(model_dir, "cuda").model if model_dir else build_model(w)
+        aoti = None
+        if model_dir is not None:
+            try:
+                aoti = speedup_aoti_model(model, model_dir, aoti_cache)
+            except Exception as exc:  # report and keep the other paths
+                print(f"{w.name}: no AOTI packages: {type(exc).__name__}: {exc}"[:2000])
+        compiled = (
+            torch.compile(full_recompute, dynamic=False)
+            if compile_baseline and "recompute" in paths
+            else None
+        )
         for batch in batches:
             data = Batch(model, batch, SPEEDUP_HISTORY_LEN, w.num_candidates, seed=batch)
             items = torch.cat([data.hist_items, data.items[:, None]], 1)  # [B, L+1]
@@ -190,16 +219,41 @@ def speedup_section(
             ts = torch.cat([data.hist_ts, data.ts[:, None]], 1)
             cand = data.cand
             args = (model, items, actions, ts, cand, data.ts)
+            starts = torch.arange(batch + 1, device="cuda") * items.shape[1]  # [B+1]
+            jagged = (items.reshape(-1), actions.reshape(-1), ts.reshape(-1), starts)
             results: dict[str, list[float]] = {}
             outputs: dict[str, torch.Tensor] = {}
             with torch.no_grad():
-                base_iters = max(3, iters // 4) if batch >= 64 else iters
-                results["recompute-eager"] = time_ms(partial(full_recompute, *args), base_iters)
-                if compiled is not None:
-                    compiled(*args)
-                    results["recompute-compile"] = time_ms(lambda: compiled(*args), base_iters)  # noqa: B023
-                outputs["recompute"] = full_recompute(*args)[1].float()
-                for backend in ("torch", "triton"):
+                if "recompute" in paths:
+                    fused_results, fused_scores = fused_recompute_paths(
+                        model, jagged, cand, data.ts, iters, compiled_layer
+                    )
+                    results.update(fused_results)
+                else:
+                    fused_scores = None
+                try:  # dense [B, H, L, L] temporaries: tens of GB at batch 256
+                    base_iters = max(3, iters // 4) if batch >= 64 else iters
+                    base_iters, warm = (2, 1) if batch >= 256 else (base_iters, 3)
+                    dense = partial(full_recompute, *args)
+                    if "recompute" in paths:
+                        results["recompute-eager"] = time_ms(dense, base_iters, warm)
+                    if compiled is not None:
+                        compiled(*args)
+                        results["recompute-compile"] = time_ms(
+                            lambda: compiled(*args),  # noqa: B023
+                            base_iters, warm,
+                        )  # fmt: skip
+                    outputs["dense"] = dense()[1].float()
+                except torch.OutOfMemoryError:
+                    print(f"{w.name} batch {batch}: dense recompute out of memory")
+                    torch.cuda.empty_cache()
+                if fused_scores is not None:
+                    outputs["fused"] = fused_scores
+                # The incremental step is checked against the dense recompute, else the fused.
+                reference = outputs.get("dense", fused_scores)
+                if reference is not None:
+                    outputs["recompute"] = reference
+                for backend in [b for b in ("torch", "triton") if b in paths]:
                     model.attention_backend = backend
                     step = partial(data.incremental, model)
                     try:
@@ -225,10 +279,18 @@ def speedup_section(
                         except Exception as exc:  # report and keep the other paths
                             print(f"compiled incremental failed: {type(exc).__name__}: {exc}")
                 model.attention_backend = "auto"
-            best_base = min(
-                (k for k in results if k.startswith("recompute")),
-                key=lambda k: pct(results[k], 50),
-            )
+                if aoti is not None:
+                    try:
+                        timed, probs = aoti_incremental(model, aoti, data, iters)
+                        results.update(timed)
+                        outputs.update(probs)
+                    except Exception as exc:  # report and keep the other paths
+                        print(f"{w.name} batch {batch}: aoti paths failed: "
+                              f"{type(exc).__name__}: {exc}"[:2000])  # fmt: skip
+                        torch.cuda.synchronize()
+            # the best of every recompute path: dense, compiled, fused
+            bases = [k for k in results if k.startswith("recompute")]
+            best_base = min(bases, key=lambda k: pct(results[k], 50)) if bases else None
             flops, nbytes = step_flops_bytes(w, batch, SPEEDUP_HISTORY_LEN)
             floor_ms = max(flops / ceil["bf16_tflop_s"] / 1e9, nbytes / ceil["copy_gb_s"] / 1e6)
             for name, samples in results.items():
@@ -236,12 +298,22 @@ def speedup_section(
                 row: dict[str, object] = {
                     "section": "speedup", "workload": w.name, "batch": batch, "path": name,
                     "p50_ms": round(p50, 3), "p99_ms": round(pct(samples, 99), 3),
-                    "speedup_vs_best_recompute": round(pct(results[best_base], 50) / p50, 2),
                     "floor_ms": round(floor_ms, 3),
                 }  # fmt: skip
-                if name.startswith("incremental") and name.split("-")[1] in outputs:
-                    backend = name.split("-")[1]
-                    err = (outputs[backend] - outputs["recompute"]).abs().max()
+                if best_base is not None:
+                    row["speedup_vs_best_recompute"] = round(pct(results[best_base], 50) / p50, 2)
+                    row["best_recompute"] = best_base
+                # a path's own output where it has one (aoti-*, *-graphedmodel), else its
+                # attention backend's eager output (the graph replays the same calls)
+                own = name.removeprefix("incremental-")
+                got = outputs.get(own, outputs.get(own.split("-")[0]))
+                if name.startswith("incremental") and got is not None and "recompute" in outputs:
+                    err = (got - outputs["recompute"]).abs().max()
+                    row["max_abs_err_vs_recompute"] = round(float(err), 4)
+                elif (
+                    name.startswith("recompute-fused") and "fused" in outputs and "dense" in outputs
+                ):
+                    err = (outputs["fused"] - outputs["dense"]).abs().max()
                     row["max_abs_err_vs_recompute"] = round(float(err), 4)
                 rows.append(row)
             del data
@@ -288,42 +360,31 @@ def hitrate_section(batch: int, iters: int) -> list[dict[str, object]]:
     return rows
 
 
-def aoti_section(batches: list[int], iters: int) -> list[dict[str, object]]:
-    """Eager vs AOTInductor packages (extend and rank exported with the fused op)."""
-    from streamrec.models.aoti_export import ExportConfig, compile_entry_point
-
+def aoti_section(batches: list[int], iters: int, cache_dir: Path) -> list[dict[str, object]]:
+    """Eager vs AOTInductor packages (extend and rank exported with the fused op), both
+    called directly (no CUDA graph; the graph-replayed paths are in the speedup section)."""
     rows: list[dict[str, object]] = []
-    model = build_model(HSTU_8L)
-    runners: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in ("extend", "rank"):
-            path = Path(tmp) / f"{name}.pt2"
-            timings = compile_entry_point(
-                model, name, ExportConfig(entry_points=(name,)), torch.device("cuda"), path, print
-            )
-            runners[name] = torch._inductor.aoti_load_package(str(path))
-            rows.append({"section": "aoti", "entry_point": name, **timings})
-        for batch in batches:
-            data = Batch(model, batch, SPEEDUP_HISTORY_LEN, HSTU_8L.num_candidates, seed=batch)
-            kv, tsp = data.cache.kv, data.cache.ts
-            ext = (data.items, data.actions, data.ts, data.offsets, kv, tsp, data.tables, data.lens)
-            rnk = (data.cand, data.ts, kv, tsp, data.tables, data.lens)
-
-            def aoti_step() -> Any:
-                return runners["extend"](*ext)[2], runners["rank"](*rnk)  # noqa: B023
-
-            with torch.no_grad():
-                eager = time_ms(lambda: data.incremental(model), iters)  # noqa: B023
-                aoti = time_ms(aoti_step, iters)
-                want = data.incremental(model)[1].float()
-                got = aoti_step()[1].float()
-            rows.append({
-                "section": "aoti", "workload": HSTU_8L.name, "batch": batch,
-                "eager_p50_ms": round(pct(eager, 50), 3), "aoti_p50_ms": round(pct(aoti, 50), 3),
-                "aoti_p99_ms": round(pct(aoti, 99), 3),
-                "speedup": round(pct(eager, 50) / pct(aoti, 50), 2),
-                "rank_max_abs_err": round(float((got - want).abs().max()), 5),
-            })  # fmt: skip
+    model_dir = reference_model_dir(HSTU_8L)
+    model = load_checkpoint(model_dir, "cuda").model
+    aoti = speedup_aoti_model(model, model_dir, cache_dir)
+    manifest = json.loads((aoti.package_dir / "manifest.json").read_text())
+    for name in SPEEDUP_ENTRY_POINTS:
+        rows.append({"section": "aoti", "entry_point": name, **manifest["timings"][name]})
+    for batch in batches:
+        data = Batch(model, batch, SPEEDUP_HISTORY_LEN, HSTU_8L.num_candidates, seed=batch)
+        with torch.no_grad():
+            eager = time_ms(partial(data.incremental, model), iters)
+            compiled = time_ms(partial(data.incremental, aoti), iters)
+            want = data.incremental(model)[1].float()
+            got = data.incremental(aoti)[1].float()
+        rows.append({
+            "section": "aoti", "workload": HSTU_8L.name, "batch": batch,
+            "eager_p50_ms": round(pct(eager, 50), 3),
+            "aoti_p50_ms": round(pct(compiled, 50), 3),
+            "aoti_p99_ms": round(pct(compiled, 99), 3),
+            "speedup": round(pct(eager, 50) / pct(compiled, 50), 2),
+            "rank_max_abs_err": round(float((got - want).abs().max()), 5),
+        })  # fmt: skip
     return rows
 
 
@@ -364,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--sections", nargs="+", default=["kernel", "speedup", "hitrate"],
-        choices=["kernel", "speedup", "hitrate", "aoti", "profile"],
+        choices=["kernel", "attention", "prefill", "speedup", "hitrate", "aoti", "profile"],
     )  # fmt: skip
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCH_SIZES))
     parser.add_argument(
@@ -380,6 +441,16 @@ def main(argv: list[str] | None = None) -> int:
         "--compile-incremental", action="store_true",
         help="also time the incremental step compiled by Inductor, in a CUDA graph",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-compile-fused", action="store_true",
+        help="time the fused recompute eager in a CUDA graph only (no torch.compile)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--paths", nargs="+", default=["recompute", "torch", "triton"], choices=SPEEDUP_PATHS,
+        help="speedup paths: recompute baselines, incremental with torch / fused attention, "
+        "AOTI packages (compiled into --aoti-cache-dir unless bench.aoti_packages did it)",
+    )  # fmt: skip
+    parser.add_argument("--aoti-cache-dir", type=Path, default=AOTI_CACHE_DIR)
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     parser.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = parser.parse_args(argv)
@@ -392,23 +463,28 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w for w in (HSTU_3L, HSTU_8L) if w.name in args.workloads]
     for section in args.sections:
         start = time.perf_counter()
-        if section == "kernel":
+        if section in ("kernel", "attention"):
             with torch.no_grad():
                 base = load_baseline(args.baseline_kernels) if args.baseline_kernels else None
-                rows += kernel_section(args.quick, ceil, base)
+                rows += kernel_section(args.quick, ceil, base, prefill=section == "kernel")
         elif section == "speedup":
             rows += speedup_section(
                 workloads, args.batches, args.iters, not args.no_compile, ceil,
-                args.compile_incremental,
+                args.compile_incremental, not args.no_compile_fused, tuple(args.paths),
+                args.aoti_cache_dir,
             )  # fmt: skip
+        elif section == "prefill":
+            with torch.no_grad():
+                rows += prefill_sweep(args.quick, args.iters)
         elif section == "hitrate":
             rows += hitrate_section(max(args.batches), args.iters)
         elif section == "profile":
             rows += profile_section(args.batches)
         else:
-            rows += aoti_section(args.batches, args.iters)
+            rows += aoti_section(args.batches, args.iters, args.aoti_cache_dir)
         print(f"section {section}: {time.perf_counter() - start:.0f} s", flush=True)
-        print_table([r for r in rows if r["section"] == section])
+        own = "kernel" if section in ("prefill", "attention") else section
+        print_table([r for r in rows if r["section"] == own])
     meta: dict[str, object] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -417,15 +493,16 @@ def main(argv: list[str] | None = None) -> int:
         "ceilings": ceil,
         "history": SPEEDUP_HISTORY_LEN,
         "launch": {
-            "decode": (pa.DECODE_BLOCK_N, pa.DECODE_WARPS),
+            "decode": (pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.TARGET_PROGRAMS, pa.DECODE_ACC2D),
             "candidates": (
-                pa.CAND_BLOCK_M,
-                pa.CAND_BLOCK_N,
-                pa.CAND_WARPS,
-                pa.CAND_STAGES,
+                ca.CAND_BLOCK_M,
+                ca.CAND_BLOCK_N,
+                ca.CAND_WARPS,
+                ca.CAND_STAGES,
+                ca.CAND_TARGET_PROGRAMS,
             ),
-            "target_programs": (pa.TARGET_PROGRAMS, pa.CAND_TARGET_PROGRAMS),
-            "decode_mma": (pa.DECODE_MMA, pa.DECODE_MMA_STAGES),
+            "prefill": pfk.PREFILL_LAUNCHES[0],
+            "prefill_candidates": (*pfk.CAND_LAUNCH, pfk.CAND_TARGET_PROGRAMS),
         },
         "sections": args.sections,
         "wall_s": round(time.perf_counter() - t0, 1),

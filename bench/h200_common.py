@@ -1,5 +1,6 @@
 """Shared pieces of the H200 benchmarks: device timing, ceilings, the reference model and a
-batch of cached users (``Batch``), and the dense full recompute."""
+batch of cached users (``Batch``), and the two full recomputes (dense, and jagged on the
+fused prefill kernels)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.models.attention import self_attention_term, silu_attention
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU, HSTULayer
+from streamrec.models.prefill_attention import fused_prefill_attention, fused_prefill_candidates
+from streamrec.pipeline.serving_model import ServingModel
 from streamrec.schemas.events import Action
 
 BLOCK_SIZE = 16
@@ -57,7 +60,7 @@ def graphed(fn: Step) -> Step:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):  # captured where it warmed up (AOTI runners)
         fn()
     return graph.replay
 
@@ -184,7 +187,7 @@ class Batch:
         self.tables, self.lens = self.cache.batch_tables(self.users)  # lens = history + 1
         self.ext_lens = self.lens - 1
 
-    def incremental(self, model: HSTU) -> tuple[torch.Tensor, torch.Tensor]:
+    def incremental(self, model: ServingModel) -> tuple[torch.Tensor, torch.Tensor]:
         """extend (1 new token/user), write its K/V, rank C candidates (100% hits)."""
         kv, ts_pool = self.cache.kv, self.cache.ts
         k, v, emb = model.extend(
@@ -231,4 +234,56 @@ def full_recompute(
         x = layer.output(x, u, attn)
         xc = layer.output(xc, uc, cattn)
     emb = F.normalize(model.norm_out(x[:, -1]), dim=-1)
+    return emb, torch.sigmoid(model.task_head(model.norm_out(xc)))
+
+
+def fused_recompute_layer(
+    layer: HSTULayer,
+    x: torch.Tensor,
+    xc: torch.Tensor,
+    ts: torch.Tensor,
+    offsets: torch.Tensor,
+    query_ts: torch.Tensor,
+    edges: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of ``fused_recompute``: x [T, D] jagged histories, xc [B, C, D] candidates.
+
+    Tensors and the layer only (the divisor N = max_seq_len is the row count of
+    ``pos_bias``), so one ``torch.compile(dynamic=True)`` of it serves every layer, batch
+    and workload.
+    """
+    n = layer.pos_bias.shape[0]
+    u, v, q, k = layer.project(x)  # [T, H, d]
+    attn = fused_prefill_attention(q, k, v, ts, offsets, layer.pos_bias, layer.time_bias, edges, n)
+    uc, vc, qc, kc = layer.project(xc)  # [B, C, H, d]
+    cattn = fused_prefill_candidates(
+        qc, kc, vc, query_ts, k, v, ts, offsets, layer.pos_bias, layer.time_bias, edges, n
+    )
+    return layer.output(x, u, attn), layer.output(xc, uc, cattn)
+
+
+def fused_recompute(
+    model: HSTU,
+    items: torch.Tensor,
+    actions: torch.Tensor,
+    ts: torch.Tensor,
+    offsets: torch.Tensor,
+    cand: torch.Tensor,
+    query_ts: torch.Tensor,
+    layer_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = fused_recompute_layer,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``full_recompute`` on the fused kernels: jagged tokens, no [B, L, L] temporaries.
+
+    items, actions, ts [T] (each user's history with the new event last); offsets [B+1];
+    cand [B, C]; query_ts [B] (the new event's timestamp). ``layer_fn`` may be a compiled
+    ``fused_recompute_layer``.
+    """
+    edges: torch.Tensor = model.time_edges  # type: ignore[assignment]
+    x = model._embed(items, actions)  # [T, D]
+    xc = model._embed(cand, torch.full_like(cand, int(Action.CANDIDATE)))  # [B, C, D]
+    for layer in model.layers:
+        assert isinstance(layer, HSTULayer)
+        x, xc = layer_fn(layer, x, xc, ts, offsets, query_ts, edges)
+    last = offsets[1:] - 1  # [B]: every user has at least the new event
+    emb = F.normalize(model.norm_out(x[last]), dim=-1)
     return emb, torch.sigmoid(model.task_head(model.norm_out(xc)))

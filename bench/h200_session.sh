@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|speedup|rest|tiers|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|tiers|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -20,7 +20,18 @@ for stage in "$@"; do
     kernel)
       base=""; [ -f .carry/old_paged_attention.py ] && base="--baseline-kernels .carry/old_paged_attention.py"
       python3 -m bench.h200_bench --sections kernel $base --out "$OUT" 2>&1 | tail -80
-      cp "$OUT/h200.json" "$OUT/h200_kernel.json" ;;
+      cp "$OUT/h200.json" "$OUT/h200_kernel.json"
+      cp "$OUT/h200.json" "$OUT/h200_kernel_sweep.json" ;;
+    decode)  # issues 13/14: gpu tests of tests/models (less the AOTI compile: stage tests has
+      # it), attention kernel sweep (before/after), the peer side by side
+      python3 -m pytest -q -s -m gpu tests/models -k "not equal_eager_on_cuda" -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_tests_models.log" | grep -E "rel err|bf16|passed|failed|Error" | tail -30
+      base=""; [ -f .carry/old_paged_attention.py ] && base="--baseline-kernels .carry/old_paged_attention.py"
+      python3 -m bench.h200_bench --sections attention $base --out "$OUT" 2>&1 \
+        | tee "$OUT/attention_sweep.log" | grep -E "^best|step_1layer|^kernel |^layer|^ceilings|^section|^wrote|Error" | tail -60
+      cp "$OUT/h200.json" "$OUT/h200_attention_sweep.json"
+      cp "$OUT/h200.json" bench/results/h200_attention_sweep.json
+      python3 -m bench.peer_attention --out "$OUT" 2>&1 | tail -16 ;;
     ncu)  # Nsight Compute counters of one launch of each fused kernel (batch 64)
       for op in rank extend; do
         ncu --set full -k regex:"_candidate_kernel|_decode" -c 1 \
@@ -51,12 +62,75 @@ for stage in "$@"; do
       cp "$OUT/h200.json" "$OUT/h200_rest.json"
       python3 -m bench.engine_bench --config hstu-8l --device cuda --steps 40 2>&1 | tail -8
       cp bench/results/engine_hstu-8l_cuda.json "$OUT/" 2>/dev/null ;;
-    worker|worker-eager)  # (e): the whole worker with the dev broker on this machine
+    worker|worker-eager|worker-aoti)  # (e): the whole worker with the dev broker here
       flags=""; [ "$stage" = worker-eager ] && flags="--no-cuda-graphs"
+      [ "$stage" = worker-aoti ] && flags="--aoti"  # AOTI packages in CUDA graphs (issue 15)
       python3 -m bench.worker_bench --config hstu-8l --device cuda --users 2000 \
         --events 60000 --rates 2000 5000 10000 20000 --seconds 10 --drain-s 40 \
         --max-batch-users 256 --warm-wave 32 --partitions 4 $flags 2>&1 | tail -12
       cp bench/results/worker_bench_hstu-8l_cuda.json "$OUT/$stage.json" 2>/dev/null ;;
+    host13)  # issue 13: what the host path alone sustains (null model), before and after.
+      # The worker as of 0ec88f9 sits in .carry/before with this bench copied in.
+      hc="--config hstu-8l --host-ceiling --users 2000 --events 100000 --rates 10000 20000
+          50000 80000 --seconds 5 --drain-s 15 --max-batch-users 256 --partitions 8"
+      mkdir -p "$OUT/res"
+      res=$(cd "$OUT/res" && pwd)
+      if [ -d .carry/before ]; then
+        (cd .carry/before && timeout 240 python3 -m bench.worker_bench $hc --machine h200-host \
+          --label before --results-dir "$res" 2>&1 | tail -7)
+      fi
+      timeout 240 python3 -m bench.worker_bench $hc --machine h200-host --label after \
+        --results-dir "$res" 2>&1 | tail -7
+      # attribution: the same, with the interpreter's default GIL switch interval (5 ms)
+      timeout 240 python3 -m bench.worker_bench $hc --machine h200-host --label after-5ms-gil \
+        --switch-interval-ms 5 \
+        --results-dir "$res" 2>&1 | tail -7
+      cp "$res/worker_host_ceiling.json" "$OUT/" 2>/dev/null ;;
+    worker13)  # issue 13: the default serving configuration, HSTU-8L, before and after,
+      # each under py-spy (raw stacks: the loop profile of BENCHMARKS.md)
+      w8="--config hstu-8l --device cuda --users 2000 --events 60000 --rates 2000 5000 10000
+          --seconds 8 --drain-s 20 --max-batch-users 256 --partitions 4"
+      spy=""; [ -x /tmp/site/bin/py-spy ] && spy="/tmp/site/bin/py-spy record --format raw --threads --rate 97"
+      mkdir -p "$OUT/before" "$OUT/after"
+      if [ -d .carry/before ]; then
+        (cd .carry/before && timeout 280 ${spy:+$spy --output $OUT/before/loop.folded --} \
+          python3 -m bench.worker_bench $w8 --warm-wave 32 --results-dir "$OUT/before" 2>&1 \
+          | grep -v "^py-spy" | tail -6)
+      fi
+      timeout 280 ${spy:+$spy --output $OUT/after/loop.folded --} python3 -m bench.worker_bench \
+        $w8 --warm-wave 256 --results-dir "$OUT/after" 2>&1 | grep -v "^py-spy" | tail -6
+      cp "$OUT/after/worker_bench_hstu-8l_cuda.json" "$OUT/" 2>/dev/null ;;
+    prefill)  # issue 14 items 1-2: fused prefill tests, kernel sweep, speedup vs recompute-fused
+      python3 -m pytest -q -s -m gpu tests/models/test_prefill_attention.py \
+        tests/bench/test_h200_common.py -p no:cacheprovider 2>&1 | tee "$OUT/prefill_tests.log" \
+        | grep -E "rel err|torch bf16|fused vs|passed|failed|Error" | tail -40
+      python3 -m bench.h200_bench --sections prefill --iters 20 --out "$OUT/prefill" 2>&1 \
+        | grep -E "^best|^prefill|failed|Error" | tail -40
+      cp "$OUT/prefill/h200.json" "$OUT/h200_prefill_sweep.json"
+      python3 -m bench.h200_bench --sections speedup --workloads HSTU-8L HSTU-3L \
+        --batches 1 8 64 256 --iters 10 --no-compile --paths recompute triton \
+        --out "$OUT/prefill" 2>&1 | grep -v "^W[0-9]" | tail -45
+      cp "$OUT/prefill/h200.json" "$OUT/h200_speedup_fused.json" ;;
+    aoti)  # issue 15: AOTI gpu tests, incremental-aoti-* speedup paths, start-up to ready.
+      # Packages compile once into .streamrec-cache/bench-aoti (kept on a warm machine):
+      # both workloads and each package's entry points in parallel, the gpu tests' tiny
+      # packages alongside. AOTI_WORKLOADS=HSTU-8L skips 3L (its compile and its rows).
+      wl=${AOTI_WORKLOADS:-HSTU-8L HSTU-3L}
+      export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-4}
+      python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_aoti_runtime.py \
+        tests/pipeline/test_graphed_model.py > "$OUT/aoti_gpu_tests.log" 2>&1 &
+      tests=$!
+      python3 -m bench.aoti_packages --workloads $wl --out "$OUT" > "$OUT/aoti_packages.log" 2>&1
+      grep -E "^aoti|compiled|failed|Error|packages ready|\|" "$OUT/aoti_packages.log" | tail -16
+      wait $tests; echo "gpu tests:"; grep -E "passed|failed|error|Error" "$OUT/aoti_gpu_tests.log" | tail -8
+      python3 -m bench.h200_bench --sections speedup --paths triton aoti --workloads $wl \
+        --batches 1 8 64 --iters 20 --no-compile --out "$OUT/aoti" 2>&1 | grep -v "^W[0-9]" | tail -32
+      cp "$OUT/aoti/h200.json" "$OUT/h200_aoti_speedup.json" 2>/dev/null
+      python3 -m bench.startup_bench --workload HSTU-8L --out "$OUT" 2>&1 | tail -8 ;;
+    retrieval)  # fused retrieval top-k: its gpu tests, then mm + topk vs fused (issue 14.4)
+      python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider 2>&1 \
+        | tee "$OUT/retrieval_tests.log" | grep -E "B=|aoti|passed|failed|Error" | tail -20
+      python3 -m bench.retrieval_bench --out "$OUT" 2>&1 | tail -25 ;;
     tiers)  # issue 20: embedding cache, retrievable set, disk KV tier (~2.5 min)
       python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/cache/test_embedding_cache.py \
         tests/cache/test_disk_tier.py tests/pipeline/test_item_catalog.py \

@@ -6,7 +6,8 @@ exactly the launches BENCHMARKS.md talks about and nothing else:
     ncu --set full -k regex:_candidate_kernel -c 1 python3 -m bench.kernel_launch --op rank
     ncu --set full -k regex:_decode -c 1 python3 -m bench.kernel_launch --op extend
 
-Each launch uses the op's default launch shape (``streamrec.models.paged_attention``).
+Each launch uses the op's default launch shape (``streamrec.models.paged_attention`` and
+``candidate_attention``) on the kernel sweep's one-layer model (``bench/attention_sweep``).
 """
 
 from __future__ import annotations
@@ -15,43 +16,38 @@ import argparse
 
 import torch
 
-from bench.h200_bench import Batch, build_model
-from bench.reference_config import HSTU_8L, SPEEDUP_HISTORY_LEN
+from bench.attention_sweep import SweepLayer, extend_inputs, sweep_model
+from bench.reference_config import HSTU_8L
+from streamrec.models import candidate_attention as ca
 from streamrec.models import paged_attention as pa
-from streamrec.models.hstu import HSTULayer
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", choices=["rank", "extend"], required=True)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=1, help="per user (extend)")
     parser.add_argument("--launches", type=int, default=3)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
-    model = build_model(HSTU_8L)
-    layer = model.layers[0]
-    assert isinstance(layer, HSTULayer)
-    cfg = model.config
-    data = Batch(model, args.batch, SPEEDUP_HISTORY_LEN, HSTU_8L.num_candidates, seed=1)
-    per_user = HSTU_8L.num_candidates if args.op == "rank" else 1
-    q = torch.randn(
-        args.batch, per_user, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16
-    )  # [B, C, H, d]
-    edges: torch.Tensor = model.time_edges  # type: ignore[assignment]
-    tail = (data.cache.ts, data.tables, data.lens, layer.pos_bias, layer.time_bias, edges)
-    k_cache, v_cache = data.cache.kv[0, 0], data.cache.kv[0, 1]
+    lay = SweepLayer(sweep_model(), args.batch)
+    d = lay.data
     with torch.no_grad():
-        for _ in range(args.launches):
-            if args.op == "rank":
-                pa.launch_candidates(
-                    q, data.lens, data.ts, k_cache, v_cache, *tail, cfg.max_seq_len
+        if args.op == "rank":
+            shape = (args.batch, HSTU_8L.num_candidates, lay.heads, lay.head_dim)
+            q, k, v = lay.randn(*shape), lay.randn(*shape), lay.randn(*shape)
+            for _ in range(args.launches):
+                ca.launch_candidates(
+                    q, k, v, d.lens, d.ts, lay.k_cache, lay.v_cache, *lay.tail, lay.n
                 )
-            else:
-                users = torch.arange(args.batch, device="cuda")
+        else:
+            x = extend_inputs(lay, args.new_tokens)
+            for _ in range(args.launches):
                 pa.launch_decode(
-                    q[:, 0], data.lens, data.ts, users, k_cache, v_cache, *tail, cfg.max_seq_len
-                )
+                    x["q"], x["pos"], x["ts"], x["users"], x["first"], x["k"], x["v"],
+                    lay.k_cache, lay.v_cache, *lay.tail_with(x["lens"]), lay.n,
+                )  # fmt: skip
         torch.cuda.synchronize()
     print(f"launched {args.op} x{args.launches} at batch {args.batch}")
     return 0

@@ -55,6 +55,7 @@ from streamrec.cache.kv_tiers import KVTiers
 from streamrec.cache.retrieval_set import RetrievalSet
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU, HSTULayer
+from streamrec.pipeline.item_catalog import retrieve_members
 from streamrec.pipeline.model_step import ModelStep, UserWork
 from streamrec.pipeline.scorer import Scorer, ScoringConfig
 
@@ -231,7 +232,7 @@ def embedding_section(shape: Shape, device: torch.device, zipf_s: float, rows: R
             users.ext_lens,
         )  # fmt: skip
         c.write(users.new_slots, k, v, users.ts)
-        return rset.retrieve(emb, shape.cands, no_exclude)[1]
+        return retrieve_members(rset, emb, shape.cands, no_exclude)[1]
 
     def back() -> torch.Tensor:
         return model.rank(cands_buf, users.ts, c.kv, c.ts, users.tables, users.lens)
@@ -319,7 +320,7 @@ def _retrieval_rows(
     none = np.zeros((shape.batch, 0), dtype=np.int64)
     for name, fn in (
         ("exact, all rows", lambda: torch.topk(user @ table.t(), shape.cands, dim=1)),
-        ("retrievable set", lambda: rset.retrieve(user, shape.cands, none)),
+        ("retrievable set", lambda: retrieve_members(rset, user, shape.cands, none)),
     ):
         with torch.inference_mode():
             fn()

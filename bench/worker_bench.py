@@ -42,6 +42,8 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import importlib
+import importlib.util
 import json
 import multiprocessing as mp
 import sys
@@ -58,22 +60,37 @@ import numpy.typing as npt
 import torch
 
 from bench._report import RESULTS_DIR, print_table, write_results
+from bench.aoti_packages import CACHE_DIR as AOTI_CACHE_DIR
+from bench.aoti_packages import reference_model_dir
 from bench.engine_bench import SMALL, WORKLOADS, _model, _preload
 from bench.null_model import NULL_GEOMETRY, null_checkpoint_parts
 from bench.reference_config import ReferenceWorkload
-from streamrec.cache.history_backends import open_history_store
 from streamrec.cache.kv_cache import KVCacheConfig, free_memory_bytes
 from streamrec.errors import BrokerError, ConfigError
-from streamrec.models.checkpoint import Checkpoint
+from streamrec.models.aoti_export import ENTRY_POINTS, ExportConfig, export_model
+from streamrec.models.checkpoint import Checkpoint, load_checkpoint
 from streamrec.models.paged_attention import triton_available
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import PlaybackEvent
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
-from streamrec.tools.devbroker import DevBroker
 from streamrec.worker import config as wc
 from streamrec.worker.app import App
-from streamrec.worker.model_loader import LoadedModel
+from streamrec.worker.model_loader import LoadedModel, load_serving_model
 
+
+def _moved(new: str, old: str, name: str) -> Any:
+    """The same bench drives the worker as of 0ec88f9 (before issue 13), copied into that
+    tree, for the before/after ratio of one device run; a few names moved since."""
+    try:
+        return getattr(importlib.import_module(new), name)
+    except ImportError:  # pragma: no cover - only inside the "before" tree
+        return getattr(importlib.import_module(old), name)
+
+
+open_history_store = _moved(
+    "streamrec.cache.history_backends", "streamrec.cache.history_store", "open_history_store"
+)
+DevBroker = _moved("streamrec.tools.devbroker", "streamrec.worker.devbroker", "DevBroker")
 IntArray = npt.NDArray[np.int64]
 Row = dict[str, Any]
 BLOCK_SIZE = 16
@@ -398,14 +415,32 @@ async def paced(bench: Bench, rate: float, users: IntArray, drain: float) -> Row
     return row | {"complete": complete, "sustained": sustained}
 
 
-def loaded_model(w: ReferenceWorkload, device: str, host_ceiling: bool = False) -> LoadedModel:
+def loaded_model(
+    w: ReferenceWorkload, device: str, host_ceiling: bool = False, aoti: bool = False
+) -> LoadedModel:
     if host_ceiling:  # the host path alone: a model that does nothing, on the CPU
         module, null, vocab = null_checkpoint_parts(w.num_items, w.max_seq_len, torch.device("cpu"))
         checkpoint = Checkpoint(module, vocab, "null", Path("null"), {"model_name": "null"})
         return LoadedModel(checkpoint, null, "null", torch.device("cpu"))
+    if aoti:  # the reference model directory and its AOTI packages (compiled if missing)
+        return aoti_loaded_model(w, device)
     model, vocab = _model(w, device)  # random init; bf16 for the reference workloads
     checkpoint = Checkpoint(model, vocab, "random-init", Path(w.name), {"model_name": w.name})
     return LoadedModel(checkpoint, model, "eager", torch.device(device))
+
+
+def aoti_loaded_model(w: ReferenceWorkload, device: str) -> LoadedModel:
+    from streamrec.pipeline.scoring_config import ScoringConfig
+
+    model_dir = reference_model_dir(w)
+    export_model(model_dir, device, AOTI_CACHE_DIR, config=ExportConfig(), jobs=len(ENTRY_POINTS))
+    checkpoint = load_checkpoint(model_dir, device)
+    cfg = wc.ModelConfig(
+        model_dir=model_dir, aoti_cache_dir=AOTI_CACHE_DIR, device=device, require_aoti=True
+    )
+    scoring = ScoringConfig(num_candidates=w.num_candidates, top_k=20)
+    model, backend = load_serving_model(cfg, checkpoint, torch.device(device), scoring)
+    return LoadedModel(checkpoint, model, backend, torch.device(device))
 
 
 def geometry(w: ReferenceWorkload, host_ceiling: bool) -> KVCacheConfig:
@@ -475,11 +510,17 @@ async def _phases(bench: Bench, plan: Plan, ns: argparse.Namespace) -> list[Row]
 async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
     w: ReferenceWorkload = WORKLOADS[ns.config]
     t0 = time.perf_counter()
-    loaded = loaded_model(w, ns.device, ns.host_ceiling)
+    loaded = loaded_model(w, ns.device, ns.host_ceiling, ns.aoti)
     build_s = time.perf_counter() - t0
     plan = make_plan(w, ns, np.random.default_rng(ns.seed))
     budget, blocks = kv_budget(w, plan, geometry(w, ns.host_ceiling))
-    reserve = (ns.warm_wave or ns.users) * w.max_seq_len**2 * (w.num_heads * 2 * 4 + 16)
+    # A dense prefill holds [H, N, N] temporaries per rebuilt user; the fused one (issue
+    # 14, not in the "before" tree) only its [T, ...] activations.
+    fused = importlib.util.find_spec("streamrec.models.prefill_attention") is not None
+    per_user = (
+        w.max_seq_len * w.d_model * 64 if fused else w.max_seq_len**2 * (w.num_heads * 8 + 16)
+    )
+    reserve = (ns.warm_wave or ns.users) * per_user
     if (
         ns.device == "cuda"
         and not ns.host_ceiling
@@ -514,6 +555,8 @@ async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
                 if worker.done() or time.monotonic() > deadline:
                     raise BrokerError(f"the bench worker was not ready within {ns.timeout_s} s")
                 await asyncio.sleep(0.05)
+            if ns.switch_interval_ms:  # after App.run set its own
+                sys.setswitchinterval(ns.switch_interval_ms / 1000.0)
             rows = await _phases(bench, plan, ns)
         finally:
             with contextlib.suppress(OSError):
@@ -599,6 +642,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--machine", default="", help="host-ceiling rows: the machine's name")
     parser.add_argument("--label", default="", help="host-ceiling rows: e.g. before / after")
+    parser.add_argument(
+        "--aoti", action="store_true", help="serve the AOTI packages (bench.aoti_packages)"
+    )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.0,
+        help="sys.setswitchinterval once the worker is up (0: leave the worker's own)",
+    )
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ns = parser.parse_args(argv)
     small = WORKLOADS[ns.config] is SMALL

@@ -132,9 +132,13 @@ class BlockPool:
         self._lens[user] = start + n_tokens
         self._tokens += n_tokens
         self.touch(user)
+        bs = self.block_size
+        if n_tokens == 1:  # the common step: one new event
+            return np.array([table[start // bs] * bs + start % bs], dtype=np.int64)
+        first = start // bs  # only the blocks the new tokens land in, not the whole table
         positions = np.arange(start, start + n_tokens, dtype=np.int64)
-        blocks = np.asarray(table, dtype=np.int64)[positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
+        blocks = np.asarray(table[first : (start + n_tokens - 1) // bs + 1], dtype=np.int64)
+        return blocks[positions // bs - first] * bs + positions % bs
 
     def restore(self, user: UserKey, length: int) -> list[int] | NoRoom:
         """Fresh blocks for a user coming back from the host tier with ``length`` tokens."""

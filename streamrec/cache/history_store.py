@@ -115,8 +115,11 @@ class HistoryStore(abc.ABC):
         self._get_hits = 0
 
     @abc.abstractmethod
-    async def append(self, batch: Sequence[HistoryEvent]) -> AppendResult:
-        """Apply events in batch order, skipping redelivered ones; durable on return."""
+    async def append(self, batch: Sequence[HistoryEvent], scope: str = "") -> AppendResult:
+        """Apply events in batch order, skipping redelivered ones; durable on return.
+
+        Watermarks are kept under ``topic + scope`` (``worker.log_scoped_store``: the
+        log the offsets belong to), so a caller scopes a batch without copying it."""
 
     @abc.abstractmethod
     async def get(self, users: Sequence[UserId]) -> dict[UserId, History]:

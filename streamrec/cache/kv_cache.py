@@ -62,6 +62,20 @@ class KVCacheConfig:
         return int(n)
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Step metadata (tokens, block tables, slots) to ``device`` without a stream sync.
+
+    A plain ``.to(cuda)`` from pageable memory synchronizes the stream after the copy, so
+    the host waits for every kernel queued before it and cannot queue the next phase
+    while the GPU runs this one. Through pinned memory (the caching host allocator, which
+    keeps a buffer until the copy that reads it has run) the copy is asynchronous.
+    """
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def free_memory_bytes(device: torch.device) -> int:
     """Free memory of ``device`` now: CUDA free memory, or available RAM on the CPU."""
     if device.type == "cuda":
@@ -174,5 +188,4 @@ class KVCache:
         return self._to_device(np.ascontiguousarray(slots, dtype=np.int64))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        # Small metadata: a plain copy beats pinning a fresh buffer on every call.
-        return torch.from_numpy(array).to(self.device)
+        return to_device(array, self.device)

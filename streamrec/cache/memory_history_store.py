@@ -35,15 +35,18 @@ class MemoryHistoryStore(HistoryStore):
         super().__init__(max_seq_len)
         self._users: dict[UserId, _UserHistory] = {}
 
-    async def append(self, batch: Sequence[HistoryEvent]) -> AppendResult:
+    async def append(self, batch: Sequence[HistoryEvent], scope: str = "") -> AppendResult:
         applied: dict[UserId, int] = {}
         skipped = 0
+        keys: dict[tuple[str, int], TopicPartition] = {}
         for user_id, topic, partition, offset, token in batch:
             state = self._users.get(user_id)
             if state is None:
                 state = _UserHistory(deque(maxlen=self.max_seq_len))
                 self._users[user_id] = state
-            tp = (topic, partition)
+            tp = keys.get((topic, partition))
+            if tp is None:
+                tp = keys[(topic, partition)] = (topic + scope, partition)
             if offset <= state.watermarks.get(tp, -1):
                 skipped += 1
                 continue

@@ -113,11 +113,15 @@ class RedisHistoryStore(HistoryStore):
         base = f"{self.prefix}:{{{user}}}"
         return f"{base}:t", f"{base}:w"
 
-    async def append(self, batch: Sequence[HistoryEvent]) -> AppendResult:
+    async def append(self, batch: Sequence[HistoryEvent], scope: str = "") -> AppendResult:
         per_user: dict[UserId, list[bytes | int | str]] = {}
+        fields: dict[tuple[str, int], str] = {}
         for user_id, topic, partition, offset, token in batch:
             args = per_user.setdefault(user_id, [self.max_seq_len])
-            args.append(f"{topic}:{partition}")
+            field = fields.get((topic, partition))
+            if field is None:
+                field = fields[(topic, partition)] = f"{topic}{scope}:{partition}"
+            args.append(field)
             args.append(int(offset))
             args.append(_TOKEN.pack(int(token[0]), int(token[1]), int(token[2])))
         if not per_user:

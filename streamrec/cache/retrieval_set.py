@@ -4,10 +4,12 @@ Exact retrieval scores every row of the item table, so it needs the whole normal
 table on the GPU. Past the GPU budget the worker retrieves from a *retrievable set*: the
 ``N`` items with the highest exponentially decayed event count (popular now, so fresh
 items enter as soon as they are played), normalised on the device as ``table[N, D]``.
-Retrieval is then the same dot product and top-k over ``N`` columns instead of ``V``, and
-its recall against exact retrieval is what the traffic's skew allows (measured in
+Retrieval is then the same top-k over ``N`` rows instead of ``V`` (``pipeline.item_catalog.
+retrieve_members``: the fused kernel on CUDA, ``mm`` + ``topk`` elsewhere), and its recall against
+exact retrieval is what the model's popularity bias allows (measured in
 ``bench/retrieval_set_recall.py``; BENCHMARKS.md). Ranking candidates are always members,
-so their input rows are the hottest of the embedding cache.
+so their input rows are the hottest of the embedding cache. The device table has the
+item table's layout: row 0 is padding (never returned), member ``p`` is row ``p + 1``.
 
 Refresh runs while serving: ``observe`` counts the new events' items per batch (O(events),
 the decay is a growing increment, not a pass over ``V``); ``tick`` starts the top-N
@@ -97,9 +99,10 @@ class RetrievalSet:
         self._position_of[members] = np.arange(size, dtype=np.int32)
         self._counts = np.zeros(num_items, dtype=np.float32)  # decayed event counts
         self._increment = 1.0
-        self.table = torch.empty((size, table.shape[1]), dtype=table.dtype, device=self.device)
-        # [N, D] normalised rows
-        self.items = torch.from_numpy(members).to(self.device)  # [N] int64 item rows
+        self.table = torch.zeros((size + 1, table.shape[1]), dtype=table.dtype, device=self.device)
+        # [1 + N, D] normalised rows, row 0 padding
+        self.items = torch.from_numpy(np.concatenate([[0], members])).to(self.device)
+        # [1 + N] int64 item row of each table row
         self._write(np.arange(size, dtype=np.int64), members)
         if self.device.type == "cuda":  # serving reads it on another stream
             torch.cuda.current_stream(self.device).synchronize()
@@ -111,24 +114,15 @@ class RetrievalSet:
 
     # ------------------------------------------------------------------ serving
 
-    def retrieve(
-        self, user_emb: torch.Tensor, k: int, exclude: np.ndarray
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-``k`` members by cosine score: ``(scores[B, k], item rows[B, k])``.
-
-        ``exclude[B, E]`` are item rows (-1 = none); rows outside the set need no mask.
-        """
-        scores = user_emb @ self.table.t()  # [B, N]
-        if exclude.size:
-            rows = np.asarray(exclude, dtype=np.int64)
-            pos = self._position_of[np.clip(rows, 0, self.num_items - 1)].astype(np.int64)
-            pos[rows < 0] = -1
-            user, col = np.nonzero(pos >= 0)
-            if user.size:
-                flat = torch.from_numpy(user * self.size + pos[user, col]).to(self.device)
-                scores.view(-1).index_fill_(0, flat, float("-inf"))
-        top_scores, top_pos = torch.topk(scores, min(k, self.size), dim=1)
-        return top_scores, self.items[top_pos]
+    def excluded_rows(self, exclude: np.ndarray) -> torch.Tensor:
+        """Table rows ``[B, E]`` of the members among ``exclude[B, E]`` item rows (-1 =
+        none); non-members and -1 map to the padding row 0."""
+        rows = np.asarray(exclude, dtype=np.int64)
+        drop = self._position_of[np.clip(rows, 0, self.num_items - 1)].astype(np.int64) + 1
+        drop[rows < 0] = 0
+        if not drop.shape[1]:
+            drop = np.zeros((rows.shape[0], 1), dtype=np.int64)
+        return torch.from_numpy(drop).to(self.device)
 
     def observe(self, items: np.ndarray) -> None:
         """Count the items of new events (once per event, never a prefilled history)."""
@@ -191,7 +185,7 @@ class RetrievalSet:
             self._position_of[plan.enter] = plan.positions.astype(np.int32)
             self.members[plan.positions] = plan.enter
             self._write(plan.positions, plan.enter)
-            index = torch.from_numpy(plan.positions).to(self.device)
+            index = torch.from_numpy(plan.positions + 1).to(self.device)
             self.items.index_copy_(0, index, torch.from_numpy(plan.enter).to(self.device))
         self._refreshes += 1
         self._swapped += int(plan.enter.size)
@@ -226,5 +220,5 @@ class RetrievalSet:
         for lo in range(0, items.size, _CHUNK_ROWS):
             rows = self._host.index_select(0, torch.from_numpy(items[lo : lo + _CHUNK_ROWS]))
             dev = F.normalize(rows.to(self.device, non_blocking=False), dim=-1)  # [m, D]
-            index = torch.from_numpy(positions[lo : lo + _CHUNK_ROWS]).to(self.device)
+            index = torch.from_numpy(positions[lo : lo + _CHUNK_ROWS] + 1).to(self.device)
             self.table.index_copy_(0, index, dev)

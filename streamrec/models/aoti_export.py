@@ -7,9 +7,21 @@ one package serves any pool), and the exclusion width ``E`` of ``retrieve``. Exa
 inputs use B = 3 because a size-1 example would be specialised (shared/notes/aoti.md,
 pitfall 2); the compiled graphs still accept B = 1 (tested).
 
+The weights are **not** compiled into the packages (``package_constants_in_so=False``):
+every ``.pt2`` holds code only, and the runtime binds the tensors of the model it loaded
+from the model directory (aoti_runtime.py). Before, each of the four packages carried its
+own ~1 GB copy of an 8-layer model with 1M items, on disk and again on the GPU; now the
+model directory's ``weights.safetensors`` is the one copy on disk and the served
+module's parameters the one copy in device memory. The manifest records the name, shape
+and dtype of every tensor the packages may ask for, and the runtime checks them.
+
 ``retrieve`` takes ``k`` as a Python int, which cannot be a graph input, so it is
 compiled with ``k = ExportConfig.retrieve_k`` baked in and the runtime returns the first
 ``k`` columns (``topk`` is sorted, so that prefix *is* the top-k).
+
+Entry points compile independently (``jobs > 1`` compiles them in parallel processes,
+each loading the model directory itself): the 8-layer ``extend`` alone took 128 s on the
+H200, and the four of a package run side by side in about that time.
 """
 
 from __future__ import annotations
@@ -17,10 +29,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import multiprocessing
+import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +43,13 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from streamrec.errors import ExportError, ModelError
-from streamrec.models.checkpoint import load_checkpoint
+from streamrec.errors import ConfigError, ExportError, ModelError
+from streamrec.models.checkpoint import CONFIG, load_checkpoint, model_version
 from streamrec.models.config import DTYPES, HSTUConfig
 from streamrec.models.hstu import HSTU
 from streamrec.models.inductor_setup import configure_inductor
 from streamrec.models.package_cache import (
+    LAYOUT_VERSION,
     PackageCache,
     PackageFiles,
     PackageKey,
@@ -42,11 +58,23 @@ from streamrec.models.package_cache import (
 
 ENTRY_POINTS = ("prefill", "extend", "rank", "retrieve")
 Progress = Callable[[str], None]
+# The wrappers hold the model as ``self.model``: constant names are "model.<parameter>".
+CONSTANT_PREFIX = "model."
+# Weights stay out of the .so; check_lowerbound off so that size-1 dims are accepted.
+INDUCTOR_CONFIGS: dict[str, Any] = {
+    "aot_inductor.check_lowerbound": False,
+    "aot_inductor.package_constants_in_so": False,
+}
 # Modules whose code is traced into the graphs (a missing one is skipped).
 MODEL_CODE = (
     "streamrec.models.hstu",
     "streamrec.models.attention",
     "streamrec.models.paged_attention",
+    "streamrec.models.candidate_attention",
+    "streamrec.models.fused_layer",
+    "streamrec.models.prefill_attention",
+    "streamrec.models.prefill_kernels",
+    "streamrec.models.retrieval",
     "streamrec.models.config",
     "streamrec.schemas.events",
 )
@@ -57,7 +85,8 @@ _EX_CANDS, _EX_EXCLUDE = 13, 5
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """What gets compiled; part of the package key, so changing it recompiles."""
+    """What gets compiled. ``retrieve_k`` is part of the package key; ``entry_points``
+    only says which graphs a build adds (a package directory accumulates them)."""
 
     entry_points: tuple[str, ...] = ENTRY_POINTS
     retrieve_k: int = 256  # largest k ``retrieve`` serves (clamped to the catalog size)
@@ -94,9 +123,10 @@ def package_key(
 ) -> PackageKey:
     """The cache key, computable from a model directory without loading its weights."""
     settings = {
-        **asdict(config),
         "retrieve_k": effective_k(model_config, config),
         "code": source_hash(),
+        "layout": LAYOUT_VERSION,
+        "inductor": INDUCTOR_CONFIGS,
     }
     export_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     return PackageKey(
@@ -118,6 +148,27 @@ def dtype_name(dtype: torch.dtype) -> str:
         if value == dtype:
             return name
     raise ExportError(f"dtype {dtype} is not one of {sorted(DTYPES)}")
+
+
+def read_model_config(model_dir: Path | str) -> HSTUConfig:
+    path = Path(model_dir) / CONFIG
+    try:
+        return HSTUConfig.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, ConfigError) as exc:
+        raise ExportError(f"cannot read model config {path}: {exc}") from exc
+
+
+def tensor_dtype_label(dtype: torch.dtype) -> str:
+    """ "bfloat16", "int64", ...: how the manifest spells a constant's dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def constant_specs(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Name -> shape and dtype of every tensor a package of ``model`` may bind."""
+    return {
+        CONSTANT_PREFIX + name: {"shape": list(t.shape), "dtype": tensor_dtype_label(t.dtype)}
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+    }
 
 
 # ------------------------------------------------------------------ wrappers
@@ -272,15 +323,13 @@ def compile_entry_point(
     except Exception as exc:  # torch raises many unrelated types from export
         raise ExportError(f"torch.export of {name} failed: {type(exc).__name__}: {exc}") from exc
     exported = time.perf_counter()
-    say(f"aoti: exported {name} in {exported - start:.1f} s; compiling (30-90 s) ...")
+    say(f"aoti: exported {name} in {exported - start:.1f} s; compiling (30-130 s) ...")
     try:
         with warnings.catch_warnings():
             # torch's own pytree deprecation, raised from copyreg while pickling the graph.
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             torch._inductor.aoti_compile_and_package(
-                program,
-                package_path=str(path),
-                inductor_configs={"aot_inductor.check_lowerbound": False},
+                program, package_path=str(path), inductor_configs=dict(INDUCTOR_CONFIGS)
             )
     except Exception as exc:  # compiler and codegen errors come in many types
         raise ExportError(
@@ -289,6 +338,60 @@ def compile_entry_point(
     done = time.perf_counter()
     say(f"aoti: compiled {name} in {done - exported:.1f} s ({path.stat().st_size / 1e6:.1f} MB)")
     return {"export_s": exported - start, "compile_s": done - exported}
+
+
+# Compiles the named entry points into a staging directory: name -> timings.
+CompileMissing = Callable[[list[str], Path], dict[str, dict[str, float]]]
+
+
+def _build(
+    cache: PackageCache,
+    key: PackageKey,
+    config: ExportConfig,
+    model_config: HSTUConfig,
+    specs: dict[str, dict[str, Any]],
+    compile_missing: CompileMissing,
+    progress: Progress | None,
+    force: bool,
+) -> PackageFiles:
+    """The key's package with at least ``config.entry_points``; compiles what is missing.
+
+    Holds the key's lock: a process that waited for it finds the entry points built.
+    Entry points already in the package are carried over (hard links), not recompiled.
+    """
+    say = progress or (lambda _m: None)
+    with cache.lock(key):
+        current: PackageFiles | None = None
+        if not force:
+            try:
+                current = cache.open(key)
+            except ExportError as exc:
+                if cache.directory(key).exists():
+                    say(f"aoti: rebuilding: {exc}")
+        missing = [n for n in config.entry_points if current is None or n not in current.files]
+        if current is not None and not missing:
+            return current
+        staging = cache.staging(key)
+        start = time.perf_counter()
+        try:
+            files = cache.carry_over(current, staging) if current is not None else {}
+            timings = compile_missing(missing, staging)
+        except BaseException:
+            cache.discard(staging)
+            raise
+        files.update({name: f"{name}.pt2" for name in missing})
+        old_timings = dict(current.manifest.get("timings", {})) if current is not None else {}
+        extra = {
+            "model_config": model_config.to_dict(),
+            "retrieve_k": effective_k(model_config, config),
+            "cxx": configure_inductor(cache.root),
+            "constants": specs,
+            "timings": {**old_timings, **timings},
+            "total_s": time.perf_counter() - start,
+        }
+        published = cache.publish(key, staging, files, extra)
+    say(f"aoti: package ready at {published.directory} ({extra['total_s']:.0f} s)")
+    return published
 
 
 def build_package(
@@ -301,44 +404,45 @@ def build_package(
 ) -> PackageFiles:
     """The cached package of ``model`` (on its own device and dtype), compiled if needed.
 
-    The model must already be on the target device in the serving dtype. Compiling
-    holds the key's lock; a process that waited for it finds the package built.
+    The model must already be on the target device in the serving dtype; its entry
+    points compile one after the other in this process.
     """
     param = next(model.parameters())
     root = Path(cache_dir)
-    compiler = configure_inductor(root)
-    cache = PackageCache(root)
+    configure_inductor(root)
     key = package_key(model.config, dtype_name(param.dtype), model_version, param.device, config)
-    with cache.lock(key):
-        if not force:
-            try:
-                return cache.open(key)
-            except ExportError as exc:
-                if cache.directory(key).exists():
-                    (progress or (lambda _m: None))(f"aoti: rebuilding: {exc}")
-        staging = cache.staging(key)
-        timings: dict[str, dict[str, float]] = {}
-        start = time.perf_counter()
-        try:
-            for name in config.entry_points:
-                timings[name] = compile_entry_point(
-                    model, name, config, param.device, staging / f"{name}.pt2", progress
-                )
-        except BaseException:
-            cache.discard(staging)
-            raise
-        extra = {
-            "model_config": model.config.to_dict(),
-            "retrieve_k": effective_k(model.config, config),
-            "cxx": compiler,
-            "timings": timings,
-            "total_s": time.perf_counter() - start,
+
+    def compile_here(missing: list[str], staging: Path) -> dict[str, dict[str, float]]:
+        return {
+            name: compile_entry_point(
+                model, name, config, param.device, staging / f"{name}.pt2", progress
+            )
+            for name in missing
         }
-        files = {name: f"{name}.pt2" for name in config.entry_points}
-        published = cache.publish(key, staging, files, extra)
-    if progress is not None:
-        progress(f"aoti: package ready at {published.directory} ({extra['total_s']:.0f} s)")
-    return published
+
+    specs = constant_specs(model)
+    return _build(
+        PackageCache(root), key, config, model.config, specs, compile_here, progress, force
+    )
+
+
+def _compile_in_child(
+    model_dir: str, device: str, dtype: str, name: str, config: ExportConfig, path: str,
+    cache_root: str,
+) -> dict[str, float]:  # fmt: skip
+    """One entry point in a fresh (spawned) process: it loads the model directory itself."""
+    configure_inductor(Path(cache_root))
+    try:
+        checkpoint = load_checkpoint(model_dir, device=device, dtype=dtype)
+    except ModelError as exc:
+        raise ExportError(f"cannot export {model_dir}: {exc}") from exc
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    return compile_entry_point(
+        checkpoint.model, name, config, torch.device(device), Path(path), say
+    )
 
 
 def export_model(
@@ -350,13 +454,50 @@ def export_model(
     config: ExportConfig = ExportConfig(),
     progress: Progress | None = None,
     force: bool = False,
-) -> Path:
-    """``streamrec export``: compile a model directory's package; returns its directory."""
+    jobs: int = 1,
+) -> PackageFiles:
+    """``streamrec export``: compile a model directory's package (``jobs`` entry points at
+    a time, each in its own process when > 1); returns the package."""
+    if jobs < 1:
+        raise ExportError(f"jobs={jobs} must be >= 1")
+    if jobs == 1:
+        try:
+            checkpoint = load_checkpoint(model_dir, device=device, dtype=dtype)
+        except ModelError as exc:
+            raise ExportError(f"cannot export {model_dir}: {exc}") from exc
+        return build_package(
+            checkpoint.model, checkpoint.version, cache_dir, config, progress=progress,
+            force=force,
+        )  # fmt: skip
+    model_config = read_model_config(model_dir)
+    dtype = dtype or model_config.dtype
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype={dtype!r} must be one of {sorted(DTYPES)}")
     try:
-        checkpoint = load_checkpoint(model_dir, device=device, dtype=dtype)
+        version = model_version(model_dir)
     except ModelError as exc:
-        raise ExportError(f"cannot export {model_dir}: {exc}") from exc
-    package = build_package(
-        checkpoint.model, checkpoint.version, cache_dir, config, progress=progress, force=force
+        raise ExportError(str(exc)) from exc
+    target = torch.device(device)
+    root = Path(cache_dir)
+    configure_inductor(root)
+    key = package_key(model_config, dtype, version, target, config)
+    with torch.device("meta"):  # shapes and dtypes only: no memory, no init
+        shapes = HSTU(model_config).to(DTYPES[dtype])
+
+    def compile_apart(missing: list[str], staging: Path) -> dict[str, dict[str, float]]:
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        workers = min(jobs, len(missing))
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            futures = {}
+            for name in missing:
+                out = str(staging / f"{name}.pt2")
+                futures[name] = pool.submit(
+                    _compile_in_child, str(model_dir), str(target), dtype, name, config, out,
+                    str(root),
+                )  # fmt: skip
+            return {name: future.result() for name, future in futures.items()}
+
+    specs = constant_specs(shapes)
+    return _build(
+        PackageCache(root), key, config, model_config, specs, compile_apart, progress, force
     )
-    return package.directory

@@ -1,38 +1,65 @@
 """The AOTInductor backend of the ``ServingModel`` protocol (pipeline/serving_model.py).
 
 ``AOTIModel`` has the exact signatures and outputs of ``HSTU``'s entry points, so the
-engine drives either backend unchanged. A compiled package does not check its inputs
-(shared/notes/aoti.md, pitfall 3): a wrong dtype, a short offsets tensor or a pool of
-the wrong shape gives garbage or a segfault instead of an error. Every call therefore
-checks dtypes, ranks, devices and shapes against the model (metadata only, free) and,
-with ``check_values``, the offsets and lengths too (one small device reduction + sync).
+engine drives either backend unchanged. Three choices shape it:
+
+- **Weights bound at load.** The packages hold no weights (aoti_export.py); each
+  runner is given the tensors of the model loaded from the model directory
+  (``load_constants(..., user_managed=True)``: pointers, no copy). All packages of a
+  model and the eager fallback share that one copy; the ``AOTIModel`` keeps the module
+  alive, and a runner is never called before its constants are bound (it would read
+  null pointers).
+- **Single-threaded runners.** Packages load with ``run_single_threaded=True``. The
+  default runner cannot be captured in a CUDA graph ("operation not permitted when stream
+  is capturing", in every capture mode, on the H200 with torch 2.11); the single-threaded
+  one captures and replays exactly, and its direct call is cheaper too (a small MLP: 13 µs
+  replayed against 56–82 µs called). One caller at a time: the engine thread.
+- **Inputs checked on the host.** A compiled package does not check its inputs
+  (shared/notes/aoti.md, pitfall 3): a wrong dtype, a short offsets tensor or a pool of
+  the wrong shape gives garbage or a segfault instead of an error. Every call checks
+  dtypes, ranks, devices and shapes (metadata only, free) and, with ``check_values``,
+  the offsets and lengths too, with one small device-to-host copy. That copy
+  synchronises, which a CUDA-graph capture forbids, so ``GraphedModel`` calls
+  ``check_extend`` / ``check_rank`` on the caller's tensors before each replay and
+  captures ``unchecked()``, the same runners without the value checks.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from torch import nn
 
 from streamrec.errors import ConfigError, ExportError, ModelError
 from streamrec.models.aoti_export import (
-    ENTRY_POINTS,
+    CONSTANT_PREFIX,
     ExportConfig,
     Progress,
     build_package,
     effective_k,
     package_key,
+    read_model_config,
+    tensor_dtype_label,
 )
-from streamrec.models.checkpoint import CONFIG, load_checkpoint, model_version
+from streamrec.models.checkpoint import Checkpoint, load_checkpoint
 from streamrec.models.config import DTYPES, HSTUConfig
 from streamrec.models.inductor_setup import configure_inductor
-from streamrec.models.package_cache import PackageCache, PackageFiles
+from streamrec.models.package_cache import PackageCache, PackageFiles, PackageLease
 
 Runner = Callable[..., Any]
 _I64, _I32 = torch.int64, torch.int32
+
+
+def pinned(device: torch.device) -> torch.device:
+    """ "cuda" means the current CUDA device: pin the index so that the input checks accept
+    tensors on "cuda:0" (``torch.device("cuda") != torch.device("cuda:0")``)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class AOTIModel:
@@ -48,27 +75,33 @@ class AOTIModel:
         device: torch.device,
         retrieve_k: int,
         package_dir: Path,
+        weights: nn.Module | None = None,
         check_values: bool = True,
+        lease: PackageLease | None = None,
     ) -> None:
         self._runners = runners
         self.config = config
         self.dtype = dtype
-        # "cuda" means the current CUDA device: pin the index so that the input check
-        # below accepts tensors on "cuda:0" (torch.device("cuda") != torch.device("cuda:0"))
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
+        self.device = pinned(device)
         self.retrieve_k = retrieve_k
         self.package_dir = package_dir
+        self.weights = weights  # the module whose tensors the runners read: keep it alive
         self.check_values = check_values
+        self.lease = lease  # held while serving: the package cache will not evict it
+
+    def unchecked(self) -> AOTIModel:
+        """The same runners without the value checks (no host sync: capturable)."""
+        return AOTIModel(
+            self._runners, self.config, self.dtype, self.device, self.retrieve_k,
+            self.package_dir, self.weights, check_values=False, lease=self.lease,
+        )  # fmt: skip
 
     # ---------------------------------------------------------- entry points
 
     def prefill(
         self, items: torch.Tensor, actions: torch.Tensor, ts: torch.Tensor, offsets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self._tokens("prefill", items, actions, ts)
-        self._offsets("prefill", offsets, items.shape[0], self.config.max_seq_len)
+        self.check_prefill(items, actions, ts, offsets)
         k, v, user_emb = self._runner("prefill")(items, actions, ts, offsets)
         return k, v, user_emb
 
@@ -83,10 +116,7 @@ class AOTIModel:
         block_tables: torch.Tensor,
         cached_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self._tokens("extend", items, actions, ts)
-        self._tensor("extend", "offsets", offsets, _I64, 1)
-        self._pool("extend", offsets.shape[0] - 1, kv_pool, ts_pool, block_tables, cached_lens)
-        self._offsets("extend", offsets, items.shape[0], None, block_tables, ts_pool, cached_lens)
+        self.check_extend(items, actions, ts, offsets, kv_pool, ts_pool, block_tables, cached_lens)
         k, v, user_emb = self._runner("extend")(
             items, actions, ts, offsets, kv_pool, ts_pool, block_tables, cached_lens
         )
@@ -101,21 +131,12 @@ class AOTIModel:
         block_tables: torch.Tensor,
         cached_lens: torch.Tensor,
     ) -> torch.Tensor:
-        self._tensor("rank", "cand_items", cand_items, _I64, 2)
+        self.check_rank(cand_items, query_ts, kv_pool, ts_pool, block_tables, cached_lens)
         users, cands = cand_items.shape
-        self._pool("rank", users, kv_pool, ts_pool, block_tables, cached_lens)
-        self._tensor("rank", "query_ts", query_ts, _I64, 1, users)
         if cands == 0:  # nothing to score; the graph wants C >= 1
             return torch.empty(
                 users, 0, self.config.num_tasks, dtype=self.dtype, device=self.device
             )
-        if self.check_values:
-            capacity = block_tables.shape[1] * ts_pool.shape[1]
-            if not bool(((cached_lens >= 0) & (cached_lens <= capacity)).all()):
-                raise ModelError(
-                    f"rank: cached_lens {cached_lens[:8].tolist()} must lie in 0..{capacity} "
-                    f"(block_tables {tuple(block_tables.shape)} x block size {ts_pool.shape[1]})"
-                )
         scores: torch.Tensor = self._runner("rank")(
             cand_items, query_ts, kv_pool, ts_pool, block_tables, cached_lens
         )
@@ -146,6 +167,52 @@ class AOTIModel:
         return runner
 
     # ------------------------------------------------------------ validation
+
+    def check_prefill(
+        self, items: torch.Tensor, actions: torch.Tensor, ts: torch.Tensor, offsets: torch.Tensor
+    ) -> None:
+        """``ModelError`` unless ``prefill`` may run on these tensors."""
+        self._tokens("prefill", items, actions, ts)
+        self._offsets("prefill", offsets)
+        if self.check_values:
+            self._values("prefill", offsets, items.shape[0], self.config.max_seq_len)
+
+    def check_extend(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts: torch.Tensor,
+        offsets: torch.Tensor,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+    ) -> None:
+        """``ModelError`` unless ``extend`` may run on these tensors."""
+        self._tokens("extend", items, actions, ts)
+        self._offsets("extend", offsets)
+        self._pool("extend", offsets.shape[0] - 1, kv_pool, ts_pool, block_tables, cached_lens)
+        if self.check_values:
+            capacity = block_tables.shape[1] * ts_pool.shape[1]
+            self._values("extend", offsets, items.shape[0], None, cached_lens, capacity)
+
+    def check_rank(
+        self,
+        cand_items: torch.Tensor,
+        query_ts: torch.Tensor,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+    ) -> None:
+        """``ModelError`` unless ``rank`` may run on these tensors."""
+        self._tensor("rank", "cand_items", cand_items, _I64, 2)
+        users = cand_items.shape[0]
+        self._pool("rank", users, kv_pool, ts_pool, block_tables, cached_lens)
+        self._tensor("rank", "query_ts", query_ts, _I64, 1, users)
+        if self.check_values:
+            capacity = block_tables.shape[1] * ts_pool.shape[1]
+            self._values("rank", None, 0, None, cached_lens, capacity)
 
     def _tensor(
         self,
@@ -185,6 +252,11 @@ class AOTIModel:
         self._tensor(entry, "actions", actions, _I64, 1, items.shape[0])
         self._tensor(entry, "ts", ts, _I64, 1, items.shape[0])
 
+    def _offsets(self, entry: str, offsets: torch.Tensor) -> None:
+        self._tensor(entry, "offsets", offsets, _I64, 1)
+        if offsets.shape[0] < 2:
+            raise ModelError(f"{entry}: offsets has {offsets.shape[0]} entries, need B + 1 >= 2")
+
     def _pool(
         self,
         entry: str,
@@ -207,75 +279,107 @@ class AOTIModel:
             raise ModelError(f"{entry}: block_tables {tuple(block_tables.shape)} needs >= 1 column")
         self._tensor(entry, "cached_lens", cached_lens, _I64, 1, users)
 
-    def _offsets(
+    def _values(
         self,
         entry: str,
-        offsets: torch.Tensor,
+        offsets: torch.Tensor | None,
         num_tokens: int,
         max_len: int | None,
-        block_tables: torch.Tensor | None = None,
-        ts_pool: torch.Tensor | None = None,
         cached_lens: torch.Tensor | None = None,
+        capacity: int = 0,
     ) -> None:
-        """Offsets 0 … T non-decreasing (+ lengths within bounds): one sync for all checks."""
-        self._tensor(entry, "offsets", offsets, _I64, 1)
-        if offsets.shape[0] < 2:
-            raise ModelError(f"{entry}: offsets has {offsets.shape[0]} entries, need B + 1 >= 2")
-        if not self.check_values:
-            return
-        lens = offsets.diff()
-        checks = [offsets[0] == 0, offsets[-1] == num_tokens, (lens >= 0).all()]
-        if max_len is not None:
-            checks.append((lens <= max_len).all())
-        if block_tables is not None and ts_pool is not None and cached_lens is not None:
-            capacity = block_tables.shape[1] * ts_pool.shape[1]
-            checks.append(((cached_lens >= 0) & (cached_lens <= capacity)).all())
-        if bool(torch.stack(checks).all()):
-            return
-        detail = f"offsets {offsets[:9].tolist()} (T={num_tokens}"
-        if max_len is not None:
-            detail += f", max_seq_len={max_len}"
-        if cached_lens is not None and block_tables is not None and ts_pool is not None:
-            detail += (
-                f", cached_lens {cached_lens[:8].tolist()} within "
-                f"{block_tables.shape[1]}x{ts_pool.shape[1]} slots"
-            )
-        raise ModelError(
-            f"{entry}: invalid jagged batch: {detail}); offsets must start at 0, be "
-            "non-decreasing and end at T"
-        )
+        """Offsets 0 … T non-decreasing (each length within ``max_len``) and cached
+        lengths within the block tables' capacity, checked on the host after one copy."""
+        parts = [t for t in (offsets, cached_lens) if t is not None]
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()  # one sync
+        problems = []
+        if offsets is not None:
+            offs = host[: offsets.shape[0]]
+            lens = np.diff(offs)
+            if offs[0] != 0 or offs[-1] != num_tokens or (lens < 0).any():
+                problems.append(
+                    f"offsets {offs[:9].tolist()} must start at 0, be non-decreasing and end "
+                    f"at T={num_tokens}"
+                )
+            elif max_len is not None and (lens > max_len).any():
+                problems.append(f"a user has {int(lens.max())} tokens > max_seq_len={max_len}")
+        if cached_lens is not None:
+            cached = host[-cached_lens.shape[0] :]
+            if ((cached < 0) | (cached > capacity)).any():
+                problems.append(
+                    f"cached_lens {cached[:8].tolist()} must lie in 0..{capacity} (the block "
+                    "tables' width x block size)"
+                )
+        if problems:
+            raise ModelError(f"{entry}: invalid jagged batch: {'; '.join(problems)}")
 
 
 # ------------------------------------------------------------------- loading
 
 
+def _bind_weights(
+    runner: Any, path: Path, weights: nn.Module, specs: dict[str, Any], device: torch.device
+) -> None:
+    """Point the runner's constants at ``weights``' tensors (checked against the manifest)."""
+    named = dict(weights.named_parameters()) | dict(weights.named_buffers())
+    bound: dict[str, torch.Tensor] = {}
+    for fqn in runner.get_constant_fqns():
+        tensor = named.get(fqn.removeprefix(CONSTANT_PREFIX))
+        spec = specs.get(fqn)
+        if tensor is None or spec is None:
+            raise ExportError(f"{path}: needs constant {fqn!r}, which the model does not have")
+        got = {"shape": list(tensor.shape), "dtype": tensor_dtype_label(tensor.dtype)}
+        if got != spec or tensor.device != device or not tensor.is_contiguous():
+            raise ExportError(
+                f"{path}: constant {fqn!r} was compiled as {spec}, the model has {got} on "
+                f"{tensor.device} (contiguous={tensor.is_contiguous()})"
+            )
+        bound[fqn] = tensor.detach()
+    try:
+        runner.load_constants(bound, check_full_update=True, user_managed=True)
+    except TypeError:  # a torch without user-managed constants: the runner keeps a copy
+        runner.load_constants(bound, check_full_update=True)
+
+
 def load_package(
-    package: PackageFiles, device: torch.device, check_values: bool = True
+    package: PackageFiles,
+    device: torch.device,
+    weights: nn.Module,
+    check_values: bool = True,
+    entry_points: tuple[str, ...] | None = None,
+    lease: PackageLease | None = None,
 ) -> AOTIModel:
-    """Load every ``.pt2`` of a verified package onto ``device``."""
+    """Load the ``.pt2`` files of a verified package onto ``device``, bound to ``weights``
+    (the model in the package's dtype on ``device``); ``entry_points`` default to all."""
     manifest = package.manifest
     try:
         config = HSTUConfig.from_dict(dict(manifest["model_config"]))
         dtype = DTYPES[str(manifest["key"]["dtype"])]
         retrieve_k = int(manifest["retrieve_k"])
+        specs = dict(manifest["constants"])
     except (KeyError, TypeError, ValueError, ConfigError) as exc:
         raise ExportError(f"{package.directory}: manifest is incomplete: {exc}") from exc
-    index = -1 if device.type == "cpu" else (device.index or 0)
+    names = tuple(package.files) if entry_points is None else entry_points
+    _require_entry_points(package, names)
+    device = pinned(device)
+    index = -1 if device.type == "cpu" else device.index
     runners: dict[str, Runner] = {}
-    for name, path in package.files.items():
+    for name in names:
+        path = package.files[name]
         try:
-            runners[name] = torch._inductor.aoti_load_package(str(path), device_index=index)
+            runner = torch._inductor.aoti_load_package(
+                str(path), run_single_threaded=True, device_index=index
+            )
+            _bind_weights(runner, path, weights, specs, device)
+        except ExportError:
+            raise
         except Exception as exc:  # the loader raises RuntimeError, OSError, zip errors ...
             raise ExportError(f"cannot load {path}: {type(exc).__name__}: {exc}") from exc
-    return AOTIModel(runners, config, dtype, device, retrieve_k, package.directory, check_values)
-
-
-def read_model_config(model_dir: Path | str) -> HSTUConfig:
-    path = Path(model_dir) / CONFIG
-    try:
-        return HSTUConfig.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, ConfigError) as exc:
-        raise ExportError(f"cannot read model config {path}: {exc}") from exc
+        runners[name] = runner
+    return AOTIModel(
+        runners, config, dtype, device, retrieve_k, package.directory, weights, check_values,
+        lease,
+    )  # fmt: skip
 
 
 def open_aoti_model(
@@ -284,16 +388,19 @@ def open_aoti_model(
     cache_dir: Path | str,
     *,
     compile_if_missing: bool,
+    checkpoint: Checkpoint | None = None,
     dtype: str | None = None,
     config: ExportConfig | None = None,
     progress: Progress | None = None,
     check_values: bool = True,
 ) -> AOTIModel:
-    """The compiled model of ``model_dir`` from the package cache.
+    """The compiled model of ``model_dir`` from the package cache, bound to the weights of
+    ``checkpoint`` (that directory loaded on ``device``; loaded here when not given).
 
-    Raises ``ExportError`` when no valid package exists and ``compile_if_missing`` is
-    false (the worker then falls back to eager, or stops under ``require_aoti``), or
-    when compiling / loading fails.
+    Raises ``ExportError`` when no valid package with ``config.entry_points`` exists and
+    ``compile_if_missing`` is false (the worker then falls back to eager, or stops under
+    ``require_aoti``), or when compiling / loading fails. The returned model holds a lease
+    on its package, so the cache does not evict it while it serves.
     """
     config = config or ExportConfig()
     target = torch.device(device)
@@ -301,31 +408,44 @@ def open_aoti_model(
     dtype_name = dtype or model_config.dtype
     if dtype_name not in DTYPES:
         raise ExportError(f"dtype={dtype_name!r} must be one of {sorted(DTYPES)}")
-    try:
-        version = model_version(model_dir)
-    except ModelError as exc:
-        raise ExportError(str(exc)) from exc
+    if checkpoint is None:
+        checkpoint = _load_checkpoint(model_dir, target, dtype_name)
     root = Path(cache_dir)
     configure_inductor(root)
-    key = package_key(model_config, dtype_name, version, target, config)
+    key = package_key(model_config, dtype_name, checkpoint.version, target, config)
     cache = PackageCache(root)
+    lease = cache.lease(key)
     try:
-        package = cache.open(key)
-    except ExportError:
-        if not compile_if_missing:
-            raise
         try:
-            checkpoint = load_checkpoint(model_dir, device=target, dtype=dtype_name)
-        except ModelError as exc:
-            raise ExportError(f"cannot export {model_dir}: {exc}") from exc
-        package = build_package(checkpoint.model, version, root, config, progress=progress)
-        del checkpoint
-    missing = sorted(set(ENTRY_POINTS) - set(package.files))
+            package = cache.open(key)
+            _require_entry_points(package, config.entry_points)
+        except ExportError:
+            if not compile_if_missing:
+                raise
+            package = build_package(
+                checkpoint.model, checkpoint.version, root, config, progress=progress
+            )
+        model = load_package(
+            package, target, checkpoint.model, check_values, config.entry_points, lease
+        )
+        if model.retrieve_k != effective_k(model_config, config):
+            raise ExportError(
+                f"{package.directory}: retrieve_k={model.retrieve_k} disagrees with its key"
+            )
+    except BaseException:
+        lease.release()
+        raise
+    return model
+
+
+def _require_entry_points(package: PackageFiles, names: tuple[str, ...]) -> None:
+    missing = sorted(set(names) - set(package.files))
     if missing:
         raise ExportError(f"AOTI package {package.directory} lacks entry point(s) {missing}")
-    model = load_package(package, target, check_values)
-    if model.retrieve_k != effective_k(model_config, config):
-        raise ExportError(
-            f"{package.directory}: retrieve_k={model.retrieve_k} disagrees with its key"
-        )
-    return model
+
+
+def _load_checkpoint(model_dir: Path | str, device: torch.device, dtype: str) -> Checkpoint:
+    try:
+        return load_checkpoint(model_dir, device=device, dtype=dtype)
+    except ModelError as exc:
+        raise ExportError(f"cannot load the weights of {model_dir}: {exc}") from exc

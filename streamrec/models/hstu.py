@@ -12,6 +12,8 @@ each row of the (shared input/output) item table; ``retrieve`` ranks by that dot
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,15 +25,36 @@ from streamrec.models.attention import (
     silu_attention,
     time_bucket_edges,
 )
+from streamrec.models.candidate_attention import fused_candidate_attention
 from streamrec.models.config import HSTUConfig
-from streamrec.models.paged_attention import (
-    fused_attention_enabled,
-    fused_candidate_attention,
-    fused_context_attention,
+from streamrec.models.fused_layer import fused_layer_usable, fused_output, fused_project
+from streamrec.models.paged_attention import fused_attention_enabled, fused_token_attention
+from streamrec.models.prefill_attention import fused_prefill_attention, fused_prefill_enabled
+from streamrec.models.retrieval import (
+    NormalizedTable,
+    fused_retrieval_enabled,
+    fused_retrieve,
+    retrieve_reference,
 )
 from streamrec.schemas.events import Action
 
 LayerState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class NewTokenGeometry:
+    """How the step's new tokens see each other (torch path of ``extend``), per call.
+
+    Eager: each user's new tokens in a padded row of ``width`` (``grid`` [T] = the row
+    slot of each token), rel [1, W, W], dt/mask [B, W, W]: O(B·W²), never a square over
+    the batch. Traced or captured (no shape may depend on a value): ``grid`` is None and
+    rel/dt [1, T, T], mask [1, T, T] hold every pair of the batch's tokens.
+    """
+
+    grid: torch.Tensor | None
+    rel: torch.Tensor
+    dt: torch.Tensor
+    mask: torch.Tensor
 
 
 class HSTULayer(nn.Module):
@@ -50,17 +73,34 @@ class HSTULayer(nn.Module):
         self.time_bias = nn.Parameter(torch.zeros(config.num_time_buckets, config.num_heads))
         self.dropout = nn.Dropout(config.dropout)
 
-    def project(self, x: torch.Tensor) -> LayerState:
-        """x [..., D] -> u, v, q, k, each [..., H, d]."""
-        h = F.silu(self.uvqk(self.norm_in(x)))  # [..., 4*H*d]
+    def project(self, x: torch.Tensor, fused: bool = False) -> LayerState:
+        """x [..., D] -> u, v, q, k, each [..., H, d] (``fused``: one kernel, see
+        ``fusable``)."""
+        if fused:
+            h = fused_project(x, self.norm_in, self.uvqk)  # [..., 4*H*d]
+        else:
+            h = F.silu(self.uvqk(self.norm_in(x)))  # [..., 4*H*d]
         shape = (*x.shape[:-1], self.num_heads, self.head_dim)
         u, v, q, k = (part.reshape(shape) for part in h.chunk(4, dim=-1))
         return u, v, q, k
 
-    def output(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def output(
+        self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor, fused: bool = False
+    ) -> torch.Tensor:
         """Residual update x + Linear(u ⊙ LayerNorm(attn)); u, attn [..., H, d]."""
+        if fused:
+            return fused_output(x, u.flatten(-2), attn.flatten(-2), self.norm_attn, self.proj)
         gated = u.flatten(-2) * self.norm_attn(attn.flatten(-2))  # [..., H*d]
         return x + self.dropout(self.proj(gated))
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        """Whether ``project``/``output`` may run fused for input x: see
+        ``fused_layer_usable``; dropout must be inactive."""
+        return (
+            (not self.training or self.dropout.p == 0.0)
+            and fused_layer_usable(x, self.norm_in, self.uvqk)
+            and fused_layer_usable(x, self.norm_attn, self.proj)
+        )
 
     def bias0(self) -> torch.Tensor:
         """rab of a token with itself (relative position 0, dt = 0): [H]."""
@@ -70,12 +110,18 @@ class HSTULayer(nn.Module):
 class HSTU(nn.Module):
     """Item + action embeddings, HSTU layers, final LayerNorm, multi-task heads."""
 
-    def __init__(self, config: HSTUConfig, attention_backend: str = "auto") -> None:
+    def __init__(
+        self, config: HSTUConfig, attention_backend: str = "auto", fused_layers: bool = True
+    ) -> None:
         super().__init__()
         self.config = config
         # "auto" | "torch" | "triton": cached-context attention through the fused op
         # (streamrec/models/paged_attention.py) on CUDA when Triton is present.
         self.attention_backend = attention_backend
+        self.retrieval_table = NormalizedTable()  # retrieve's normalised item rows
+        # extend/rank: LayerNorm + GEMM + SiLU and the output tail as one kernel each
+        # (streamrec/models/fused_layer.py) where that can run; never with "torch".
+        self.fused_layers = fused_layers
         self.item_emb = nn.Embedding(config.num_items, config.d_model, padding_idx=0)
         self.action_emb = nn.Embedding(config.num_actions, config.d_model)
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
@@ -94,6 +140,12 @@ class HSTU(nn.Module):
             self.item_emb.weight[0].zero_()
 
     # ---------------------------------------------------------------- helpers
+
+    def _layers_fused(self, x: torch.Tensor) -> bool:
+        """Whether extend/rank run the layers' GEMM halves fused for input x."""
+        layer = self.layers[0]
+        assert isinstance(layer, HSTULayer)
+        return self.fused_layers and self.attention_backend != "torch" and layer.fusable(x)
 
     def _embed(self, items: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """A token's input is frozen when appended: item + action, nothing time-relative."""
@@ -160,15 +212,9 @@ class HSTU(nn.Module):
         block_tables: torch.Tensor,
         cached_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """Contribution of each new token's cached keys. q [G, H, d]; pos, ts, users [G]."""
+        """Torch path: each new token against its user's cached keys. q [G, H, d]."""
         layer = self.layers[layer_idx]
         assert isinstance(layer, HSTULayer)
-        if fused_attention_enabled(self.attention_backend, q):
-            return fused_context_attention(
-                q, pos, ts, users, kv_pool[layer_idx], ts_pool, block_tables, cached_lens,
-                layer.pos_bias, layer.time_bias, self.time_edges,  # type: ignore[arg-type]
-                self.config.max_seq_len,
-            )  # fmt: skip
         k, v, k_ts = self._gather_context(layer_idx, kv_pool, ts_pool, block_tables[users])
         span = k.shape[1]
         key_pos = torch.arange(span, device=q.device, dtype=torch.int64)  # [S]
@@ -179,38 +225,103 @@ class HSTU(nn.Module):
         out = silu_attention(q.unsqueeze(1), k, v, bias, mask, self.config.max_seq_len)
         return out.squeeze(1)  # [G, H, d]
 
+    def _new_token_geometry(
+        self,
+        offsets: torch.Tensor,
+        users: torch.Tensor,
+        slot: torch.Tensor,
+        pos: torch.Tensor,
+        ts: torch.Tensor,
+    ) -> NewTokenGeometry:
+        """Geometry of the new tokens among themselves; users, slot (index within the
+        user's new tokens), pos, ts [T]."""
+        num_users = offsets.shape[0] - 1
+        exporting = getattr(torch.compiler, "is_exporting", lambda: False)()
+        static = (
+            torch.compiler.is_compiling()
+            or exporting
+            or isinstance(offsets, torch._subclasses.FakeTensor)
+            or (offsets.is_cuda and torch.cuda.is_current_stream_capturing())
+        )
+        if static:
+            rel = (pos.unsqueeze(1) - pos.unsqueeze(0)).unsqueeze(0)  # [1, T, T]
+            dt = (ts.unsqueeze(1) - ts.unsqueeze(0)).unsqueeze(0)  # [1, T, T]
+            mask = (users.unsqueeze(1) == users.unsqueeze(0)) & (rel[0] >= 0)  # [T, T]
+            return NewTokenGeometry(None, rel, dt, mask.unsqueeze(0))
+        width = max(1, int(offsets.diff().max()))  # one host sync (eager only)
+        grid = users * width + slot  # [T]
+        ts_grid = ts.new_zeros(num_users * width).index_put((grid,), ts)
+        valid = torch.zeros(num_users * width, dtype=torch.bool, device=ts.device)
+        valid = valid.index_put((grid,), torch.ones_like(grid, dtype=torch.bool))
+        rel, dt, mask = self._dense_geometry(
+            ts_grid.view(num_users, width), valid.view(num_users, width)
+        )
+        return NewTokenGeometry(grid, rel, dt, mask)
+
+    def _new_token_attention(
+        self,
+        layer: HSTULayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        geo: NewTokenGeometry,
+    ) -> torch.Tensor:
+        """Torch path: each new token against its user's new tokens up to itself.
+
+        q, k, v [T, H, d]. Returns [T, H, d].
+        """
+        bias = self._bias(layer, geo.rel, geo.dt).to(q.dtype)  # [B|1, H, W, W]
+        n = self.config.max_seq_len
+        if geo.grid is None:
+            out = silu_attention(q[None], k[None], v[None], bias, geo.mask, n)
+            return out.squeeze(0)
+        num_users, width = geo.mask.shape[:2]
+        grid = geo.grid
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [T, H, d] -> [B, W, H, d]
+            rows = t.new_zeros(num_users * width, *t.shape[1:]).index_put((grid,), t)
+            return rows.view(num_users, width, *t.shape[1:])
+
+        out = silu_attention(padded(q), padded(k), padded(v), bias, geo.mask, n)  # [B,W,H,d]
+        return out.reshape(num_users * width, *q.shape[1:])[grid]
+
     def _candidate_attention(
         self,
         layer_idx: int,
         q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         query_ts: torch.Tensor,
         kv_pool: torch.Tensor,
         ts_pool: torch.Tensor,
         block_tables: torch.Tensor,
         cached_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """Cached-context attention of every user's candidates. q [B, C, H, d].
+        """Every user's candidates against its cache and each itself. q, k, v [B, C, H, d].
 
         All of user b's candidates sit at position cached_lens[b] with timestamp
-        query_ts[b], so they share one bias row per key and one read of b's K/V.
+        query_ts[b], so they share one bias row per key and one read of b's K/V; a
+        candidate's own key has relative position 0 and dt 0.
         """
         layer = self.layers[layer_idx]
         assert isinstance(layer, HSTULayer)
+        n = self.config.max_seq_len
         if fused_attention_enabled(self.attention_backend, q):
             return fused_candidate_attention(
-                q, cached_lens, query_ts, kv_pool[layer_idx], ts_pool, block_tables,
+                q, k, v, cached_lens, query_ts, kv_pool[layer_idx], ts_pool, block_tables,
                 cached_lens, layer.pos_bias, layer.time_bias,
                 self.time_edges,  # type: ignore[arg-type]
-                self.config.max_seq_len,
+                n,
             )  # fmt: skip
-        k, v, k_ts = self._gather_context(layer_idx, kv_pool, ts_pool, block_tables)  # [B,S,H,d]
-        span = k.shape[1]
+        kc, vc, k_ts = self._gather_context(layer_idx, kv_pool, ts_pool, block_tables)
+        span = kc.shape[1]
         key_pos = torch.arange(span, device=q.device, dtype=torch.int64)  # [S]
         mask = (key_pos.unsqueeze(0) < cached_lens.unsqueeze(1)).unsqueeze(1)  # [B, 1, S]
         rel = (cached_lens.unsqueeze(1) - key_pos.unsqueeze(0)).unsqueeze(1)  # [B, 1, S]
         dt = (query_ts.unsqueeze(1) - k_ts).unsqueeze(1)  # [B, 1, S]
         bias = self._bias(layer, rel, dt).to(q.dtype)  # [B, H, 1, S]
-        return silu_attention(q, k, v, bias, mask, self.config.max_seq_len)  # [B, C, H, d]
+        cached = silu_attention(q, kc, vc, bias, mask, n)  # [B, C, H, d]
+        return cached + self_attention_term(q, k, v, layer.bias0(), n)
 
     # ----------------------------------------------------------- dense paths
 
@@ -329,9 +440,17 @@ class HSTU(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Full recompute of whole histories; also returns the normed outputs z [T, D].
 
-        Each user's tokens go into a dense row of ``width`` (default ``dense_width``); a
-        history must not exceed max_seq_len tokens.
+        On CUDA with Triton (and no explicit ``width``) the tokens stay jagged and the
+        attention is the fused prefill op; otherwise each user's tokens go into a dense
+        row of ``width`` (default ``dense_width``). A history must not exceed max_seq_len
+        tokens.
         """
+        cfg = self.config
+        if width is None and fused_prefill_enabled(
+            self.attention_backend, items, cfg.head_dim, cfg.num_time_buckets,
+            cfg.time_bucket_width,
+        ):  # fmt: skip
+            return self._prefill_jagged(items, actions, ts, offsets)
         num_tokens = items.shape[0]
         num_users = offsets.shape[0] - 1
         width = self.dense_width(offsets) if width is None else width
@@ -354,6 +473,26 @@ class HSTU(nn.Module):
         v = torch.stack([vl.reshape(num_users * width, *heads)[grid] for vl in vs])
         z_tok = self.norm_out(z.reshape(num_users * width, d_model)[grid])  # [T, D]
         return k, v, z_tok
+
+    def _prefill_jagged(
+        self, items: torch.Tensor, actions: torch.Tensor, ts: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``prefill_states`` on jagged tokens: projections over [T, D], fused attention,
+        no padding and no [B, W, W] temporaries."""
+        x = self._embed(items, actions)  # [T, D]
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        for layer in self.layers:
+            assert isinstance(layer, HSTULayer)
+            u, v, q, k = layer.project(x)  # [T, H, d] (views of one projection)
+            attn = fused_prefill_attention(
+                q, k, v, ts, offsets, layer.pos_bias, layer.time_bias,
+                self.time_edges, self.config.max_seq_len,  # type: ignore[arg-type]
+            )  # fmt: skip
+            x = layer.output(x, u, attn)
+            ks.append(k)
+            vs.append(v)
+        return torch.stack(ks), torch.stack(vs), self.norm_out(x)
 
     def prefill(
         self, items: torch.Tensor, actions: torch.Tensor, ts: torch.Tensor, offsets: torch.Tensor
@@ -383,31 +522,29 @@ class HSTU(nn.Module):
         users = self._token_users(offsets, num_tokens)  # [T]
         starts = offsets[torch.arange(num_users, device=offsets.device)]
         tok = torch.arange(num_tokens, device=items.device, dtype=torch.int64)
-        pos = cached_lens[users] + (tok - starts[users])  # [T] position in the user's cache
-        new_rel = (pos.unsqueeze(1) - pos.unsqueeze(0)).unsqueeze(0)  # [1, T, T]
-        new_dt = (ts.unsqueeze(1) - ts.unsqueeze(0)).unsqueeze(0)  # [1, T, T]
-        new_mask = (users.unsqueeze(1) == users.unsqueeze(0)) & (
-            tok.unsqueeze(0) <= tok.unsqueeze(1)
-        )  # [T, T]
+        first = starts[users]  # [T] the first new token of each token's user
+        pos = cached_lens[users] + (tok - first)  # [T] position in the user's cache
         x = self._embed(items, actions)  # [T, D]
+        n = self.config.max_seq_len
+        edges: torch.Tensor = self.time_edges  # type: ignore[assignment]
+        fused = fused_attention_enabled(self.attention_backend, x, self.config.head_dim)
+        geo = None if fused else self._new_token_geometry(offsets, users, tok - first, pos, ts)
+        fl = self._layers_fused(x)
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
         for idx, layer in enumerate(self.layers):
             assert isinstance(layer, HSTULayer)
-            u, v, q, k = layer.project(x)  # [T, H, d]
-            cached = self._context_attention(
-                idx, q, pos, ts, users, kv_pool, ts_pool, block_tables, cached_lens
-            )
-            bias = self._bias(layer, new_rel, new_dt).to(x.dtype)  # [1, H, T, T]
-            fresh = silu_attention(
-                q.unsqueeze(0),
-                k.unsqueeze(0),
-                v.unsqueeze(0),
-                bias,
-                new_mask.unsqueeze(0),
-                self.config.max_seq_len,
-            ).squeeze(0)
-            x = layer.output(x, u, cached + fresh)
+            u, v, q, k = layer.project(x, fl)  # [T, H, d]
+            if geo is None:  # cached keys, then the user's new keys up to the token
+                attn = fused_token_attention(
+                    q, k, v, pos, ts, users, first, kv_pool[idx], ts_pool, block_tables,
+                    cached_lens, layer.pos_bias, layer.time_bias, edges, n,
+                )  # fmt: skip
+            else:
+                attn = self._context_attention(
+                    idx, q, pos, ts, users, kv_pool, ts_pool, block_tables, cached_lens
+                ) + self._new_token_attention(layer, q, k, v, geo)
+            x = layer.output(x, u, attn, fl)
             ks.append(k)
             vs.append(v)
         z = self.norm_out(x)
@@ -428,28 +565,30 @@ class HSTU(nn.Module):
         timestamp query_ts[b]; it sees b's cache and itself, never another candidate.
         """
         x = self._embed(cand_items, torch.full_like(cand_items, int(Action.CANDIDATE)))
+        fl = self._layers_fused(x)
         for idx, layer in enumerate(self.layers):
             assert isinstance(layer, HSTULayer)
-            u, v, q, k = layer.project(x)  # [B, C, H, d]
-            cached = self._candidate_attention(
-                idx, q, query_ts, kv_pool, ts_pool, block_tables, cached_lens
+            u, v, q, k = layer.project(x, fl)  # [B, C, H, d]
+            attn = self._candidate_attention(
+                idx, q, k, v, query_ts, kv_pool, ts_pool, block_tables, cached_lens
             )
-            own = self_attention_term(q, k, v, layer.bias0(), self.config.max_seq_len)
-            x = layer.output(x, u, cached + own)  # [B, C, D]
+            x = layer.output(x, u, attn, fl)  # [B, C, D]
         return torch.sigmoid(self.task_head(self.norm_out(x)))
 
     def retrieve(
         self, user_emb: torch.Tensor, k: int, exclude: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k retrievable rows by cosine score; exclude [B, E] row ids, -1 = none."""
-        scores = user_emb @ self.item_table().t()  # [B, V], a fresh tensor: masked in place
-        # (masking in place saves three passes over [B, V], 1M items each, per step)
-        scores[:, : self.config.first_item_row] = float("-inf")
-        # -1 maps to row 0 (padding), which is already blocked.
-        drop = exclude.clamp(min=0, max=scores.shape[1] - 1)
-        scores.scatter_(1, drop, float("-inf"))
-        top_scores, top_idx = torch.topk(scores, k, dim=1)
-        return top_scores, top_idx
+        """Top-k retrievable rows by cosine score; exclude [B, E] row ids, -1 = none.
+
+        On CUDA with Triton (and ``attention_backend`` not "torch") a fused GEMM + top-k
+        op over a cached normalised table (streamrec/models/retrieval.py); ties at the
+        k-th place may then pick other rows of equal score than ``torch.topk`` does.
+        """
+        table = self.retrieval_table.get(self.item_emb.weight)  # [V, D]
+        first = self.config.first_item_row
+        if fused_retrieval_enabled(self.attention_backend, user_emb, table, k, first):
+            return fused_retrieve(user_emb, table, exclude, k, first)
+        return retrieve_reference(user_emb, table, exclude, k, first)
 
 
 def validate_offsets(offsets: torch.Tensor, num_tokens: int, max_len: int | None = None) -> None:

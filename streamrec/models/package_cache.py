@@ -2,10 +2,19 @@
 
 A package is only valid for the exact weights, model code, torch build, device kind,
 dtype and export settings it was compiled from, so all of them go into the key and a
-mismatch finds a different (missing) directory instead of a stale one. Directories are
-built under a temporary name and published with one ``rename``, so a concurrent reader
-sees either nothing or a complete package; an exclusive ``flock`` per key keeps two
-processes from compiling the same package twice.
+mismatch finds a different (missing) directory instead of a stale one. (The weights are
+not inside the package, but Inductor folds constants whose values it can see, e.g. an
+all-ones LayerNorm weight, so a package is still tied to the weights it was built from.)
+
+A directory holds one ``.pt2`` per compiled entry point; entry points are added by
+publishing a new directory that carries the old files over. Directories are built under
+a temporary name and published with one ``rename``, so a concurrent reader sees either
+the old or the new complete package; an exclusive ``flock`` per key keeps two processes
+from compiling the same package twice.
+
+The cache is bounded (``max_bytes``): publishing evicts the least recently used packages
+until the rest fit, never one that a process holds a ``PackageLease`` on (a shared
+``flock`` that the serving process keeps while it serves), nor the one just published.
 """
 
 from __future__ import annotations
@@ -14,9 +23,11 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import os
 import shutil
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +38,10 @@ from streamrec.errors import ExportError
 
 MANIFEST = "manifest.json"
 # Bump when the layout of a package directory or of its manifest changes.
-LAYOUT_VERSION = 1
+# 2: weights outside the .pt2 (bound at load), entry points accumulate per directory.
+LAYOUT_VERSION = 2
+DEFAULT_MAX_BYTES = 4 << 30  # packages hold no weights: tens of MB each on the H200
+STALE_STAGING_S = 3600.0  # a .tmp-/.trash- directory this old belongs to a dead process
 _HASH_CHUNK = 1 << 22
 
 
@@ -75,6 +89,28 @@ class PackageFiles:
     manifest: dict[str, Any]
 
 
+class PackageLease:
+    """A shared lock on one package directory: ``evict`` skips it while it is held.
+
+    The serving process keeps its lease for as long as it serves the package (the lock
+    dies with the process, so a crash leaves nothing behind). A raw descriptor, not a
+    file object: the model holding it may be freed by the cycle collector, where a file
+    object would warn about being closed by its finalizer.
+    """
+
+    def __init__(self, fd: int | None, directory: Path) -> None:
+        self._fd = fd  # None: a read-only cache, where nothing evicts either
+        self.directory = directory
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing drops the flock
+
+    def __del__(self) -> None:  # the model that held it is gone: so is its use
+        self.release()
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as stream:
@@ -83,11 +119,18 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _tree_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
 class PackageCache:
     """Root directory holding one sub-directory per ``PackageKey``."""
 
-    def __init__(self, root: Path | str) -> None:
+    def __init__(self, root: Path | str, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        if max_bytes <= 0:
+            raise ExportError(f"PackageCache max_bytes={max_bytes} must be > 0")
         self.root = Path(root)
+        self.max_bytes = max_bytes
 
     def directory(self, key: PackageKey) -> Path:
         return self.root / key.dirname
@@ -104,20 +147,50 @@ class PackageCache:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
+    def lease(self, key: PackageKey) -> PackageLease:
+        """Mark ``key``'s package as in use (and as used now, for the LRU order).
+
+        On a read-only cache (a package baked into the image) there is nothing to mark
+        and nobody to evict: the lease is empty.
+        """
+        path = self._use_file(self.directory(key))
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            return PackageLease(None, self.directory(key))
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        return PackageLease(fd, self.directory(key))
+
     def staging(self, key: PackageKey) -> Path:
         """A fresh private directory to build ``key``'s package in (same filesystem)."""
         tmp = self.root / f".tmp-{key.dirname}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
         return tmp
 
+    def carry_over(self, package: PackageFiles, staging: Path) -> dict[str, str]:
+        """Hard-link (or copy) ``package``'s files into ``staging``: name -> file name."""
+        carried: dict[str, str] = {}
+        for name, path in package.files.items():
+            target = staging / path.name
+            try:
+                os.link(path, target)
+            except OSError:  # another filesystem, or links not supported
+                shutil.copy2(path, target)
+            carried[name] = path.name
+        return carried
+
     def publish(
         self, key: PackageKey, staging: Path, files: dict[str, str], extra: dict[str, Any]
     ) -> PackageFiles:
-        """Write the manifest into ``staging`` and rename it to the key's directory.
+        """Write the manifest into ``staging``, rename it to the key's directory, evict.
 
         ``files`` maps entry point -> file name inside ``staging``. A package already at
-        the destination (corrupt, or built by a process that did not hold the lock) is
-        moved aside first; the rename itself is atomic.
+        the destination (an older set of entry points, a corrupt one, or one built by a
+        process that did not hold the lock) is moved aside first; the rename itself is
+        atomic.
         """
         manifest: dict[str, Any] = {
             "layout_version": LAYOUT_VERSION,
@@ -139,6 +212,7 @@ class PackageCache:
         if final.exists():
             self.discard(final)
         staging.rename(final)
+        self.evict(keep=(final,))
         return self.open(key)
 
     def discard(self, directory: Path) -> None:
@@ -177,3 +251,76 @@ class PackageCache:
                 raise ExportError(f"{path}: sha256 differs from the manifest (corrupt)")
             files[name] = path
         return PackageFiles(directory=directory, files=files, manifest=manifest)
+
+    # ------------------------------------------------------------------ eviction
+
+    def packages(self) -> list[Path]:
+        """Published package directories, least recently used first."""
+        if not self.root.is_dir():
+            return []
+        found = [
+            d for d in self.root.iterdir()
+            if d.is_dir() and not d.name.startswith(".") and (d / MANIFEST).is_file()
+        ]  # fmt: skip
+        return sorted(found, key=self._last_used)
+
+    def evict(self, keep: Collection[Path] = ()) -> list[Path]:
+        """Delete least recently used packages until the cache fits ``max_bytes``.
+
+        Never a directory in ``keep`` nor one under a lease (in use by some process).
+        Also clears staging and trash directories left by dead processes. Returns the
+        deleted package directories.
+        """
+        self._sweep_stale()
+        packages = self.packages()
+        sizes = {d: _tree_bytes(d) for d in packages}
+        total = sum(sizes.values())
+        kept = {Path(k).resolve() for k in keep}
+        removed: list[Path] = []
+        for directory in packages:
+            if total <= self.max_bytes:
+                break
+            if directory.resolve() in kept:
+                continue
+            with self._unused(directory) as free:
+                if not free:
+                    continue
+                self.discard(directory)
+            removed.append(directory)
+            total -= sizes[directory]
+        return removed
+
+    def _use_file(self, directory: Path) -> Path:
+        return self.root / f".{directory.name}.use"
+
+    def _last_used(self, directory: Path) -> float:
+        for path in (self._use_file(directory), directory / MANIFEST):
+            with contextlib.suppress(OSError):
+                return path.stat().st_mtime
+        return 0.0
+
+    @contextlib.contextmanager
+    def _unused(self, directory: Path) -> Iterator[bool]:
+        """True (holding the directory's use lock exclusively) when nobody leases it."""
+        path = self._use_file(directory)
+        with path.open("a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _sweep_stale(self) -> None:
+        if not self.root.is_dir():
+            return
+        now = time.time()
+        for path in self.root.iterdir():
+            if not path.name.startswith((".tmp-", ".trash-")) or not path.is_dir():
+                continue
+            with contextlib.suppress(OSError):
+                if now - path.stat().st_mtime > STALE_STAGING_S:
+                    shutil.rmtree(path, ignore_errors=True)

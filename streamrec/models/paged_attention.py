@@ -1,25 +1,29 @@
 # mypy: disable-error-code="no-untyped-def"
 # (Triton reads the annotations of @jit kernels, so their parameters stay unannotated.)
-"""Fused paged SiLU attention over the KV cache: two Triton kernels, two custom ops.
+"""Fused paged SiLU attention of new tokens (``extend``): one Triton kernel, one custom op.
 
-The torch path of ``HSTU._context_attention`` gathers every query's cached K/V into a
-dense copy and materialises the ``[queries × keys]`` score tensor in HBM; on the H200
-that left ~90% of the step's bandwidth to scores instead of K/V (issue 8). The kernels
-here walk each user's block table, keep scores in registers and accumulate in fp32.
+The torch path of ``HSTU.extend`` gathers every query's cached K/V into a dense copy and
+materialises the ``[queries × keys]`` score tensor in HBM; on the H200 that left ~90% of
+the step's bandwidth to scores instead of K/V (issue 8). The kernel here walks each user's
+block table, keeps scores in registers and accumulates in fp32.
 
-- ``paged_silu_attention`` (extend: new tokens, ~1 per user, each with its own position
-  and timestamp): one query per program, vector math, memory-bound.
-- ``paged_silu_attention_candidates`` (rank: C candidates per user, all at the user's
-  next position and newest timestamp): a tile of one user's candidates shares every
-  loaded K/V tile through ``tl.dot``, and the relative bias is computed once per key.
+``paged_silu_attention``: one query (a new token, with its own position and timestamp) ×
+one head × one range of keys per program, vector math, memory-bound. A query of user b
+first iterates b's cached keys through the block table, then (the program of the first
+key range only) b's own new keys of this call up to itself, read from the jagged K/V of
+the step: a user with n new tokens costs n programs over the same cached rows (which the
+neighbouring programs share through L2), never a ``[T, T]`` over the batch (issue 13).
 
-Both cut a user's keys into ranges when the batch alone would leave the GPU idle: SiLU
-attention has no softmax, so the partial sums of key ranges add exactly (fp32 atomics
-into a zeroed output). The time bucket is computed from the integer edges held in
-registers (no dependent table loads in the key loop). Grids depend on shapes only, never
-on tensor values, so both ops export: ``triton_op`` + ``wrap_triton`` keep each as one
-graph node and AOTInductor packages the kernels. Without Triton (the CPU CI machine) only
-the torch reference below exists and ``triton_available()`` is False.
+Keys are cut into ranges when the batch alone would leave the GPU idle: SiLU attention
+has no softmax, so the partial sums of key ranges simply add. Each range writes its fp32
+partial to a workspace and the last range of a query to arrive (an atomic ticket) adds
+them in a fixed order and stores the result in the input dtype: no zero-filled output,
+no cast kernel, and the sum is deterministic. The time bucket is computed from the
+integer edges held in registers (no dependent table loads in the key loop). Grids depend
+on shapes only, never on tensor values, so the op exports: ``triton_op`` + ``wrap_triton``
+keep it as one graph node and AOTInductor packages the kernel. Without Triton (the CPU CI
+machine) only the torch reference exists and ``triton_available()`` is False. The
+candidate kernel of ``rank`` lives in ``candidate_attention.py`` and shares the helpers.
 """
 
 from __future__ import annotations
@@ -40,24 +44,18 @@ except ImportError:  # pragma: no cover - exercised on the CPU CI machine
     tl = None
 
 OP_DECODE = "streamrec::paged_silu_attention"
-OP_CANDIDATES = "streamrec::paged_silu_attention_candidates"
-# Launch shapes, the fastest of the sweep in bench/h200_bench.py on the H200 at batch
-# 1/8/64 (BENCHMARKS.md). About TARGET_PROGRAMS programs fill the GPU: a smaller batch is
-# cut along the keys until it has that many.
+# Launch shape (bench/h200_bench.py sweeps it on the H200, BENCHMARKS.md). About
+# TARGET_PROGRAMS programs fill the GPU: a smaller batch is cut along the keys until it
+# has that many. DECODE_ACC2D accumulates P·V per key row and reduces once at the end
+# instead of a cross-warp reduction per key tile.
 TARGET_PROGRAMS = 1024
-DECODE_BLOCK_N = 64
-DECODE_WARPS = 2
-DECODE_MMA = False
-DECODE_MMA_STAGES = 3
-CAND_TARGET_PROGRAMS = 256
-CAND_BLOCK_M = 128
-CAND_BLOCK_N = 32
-CAND_WARPS = 8
-CAND_STAGES = 2
+DECODE_BLOCK_N = 32
+DECODE_WARPS = 4
+DECODE_ACC2D = True
 
 
 def triton_available() -> bool:
-    """True when the fused op is registered (Triton imported)."""
+    """True when the fused ops are registered (Triton imported)."""
     return triton is not None
 
 
@@ -66,6 +64,9 @@ def paged_silu_attention_reference(
     q_pos: torch.Tensor,
     q_ts: torch.Tensor,
     q_user: torch.Tensor,
+    q_start: torch.Tensor | None,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     ts_pool: torch.Tensor,
@@ -76,10 +77,12 @@ def paged_silu_attention_reference(
     edges: torch.Tensor,
     divisor: int,
 ) -> torch.Tensor:
-    """The math of the op in plain torch (dense gather): the oracle of the tests.
+    """The math of the op in plain torch (dense gathers): the oracle of the tests.
 
     q [G, H, d]; q_pos, q_ts, q_user [G]; k_cache, v_cache [NB, BS, H, d] (one layer of
-    the pool); ts_pool [NB, BS]; block_tables [B, MB]; cached_lens [B]. Returns [G, H, d].
+    the pool); ts_pool [NB, BS]; block_tables [B, MB]; cached_lens [B]. With ``q_start``
+    [G] the queries are the step's new tokens (k_new, v_new [G, H, d]) and query g also
+    sees tokens q_start[g] … g of them (position q_pos, timestamp q_ts). Returns [G, H, d].
     """
     num_blocks, block_size = ts_pool.shape
     blocks = block_tables[q_user].long().clamp(0, num_blocks - 1)  # [G, MB]
@@ -93,8 +96,19 @@ def paged_silu_attention_reference(
     rel = (q_pos.unsqueeze(1) - key_pos.unsqueeze(0)).unsqueeze(1)  # [G, 1, S]
     dt = (q_ts.unsqueeze(1) - k_ts).unsqueeze(1)  # [G, 1, S]
     bias = relative_bias(rel, dt, pos_bias, time_bias, edges).to(q.dtype)  # [G, H, 1, S]
-    out = silu_attention(q.unsqueeze(1), k, v, bias, mask, divisor)  # [G, 1, H, d]
-    return out.squeeze(1)
+    out = silu_attention(q.unsqueeze(1), k, v, bias, mask, divisor).squeeze(1)  # [G, H, d]
+    if q_start is None or k_new is None or v_new is None:
+        return out
+    tok = torch.arange(g, device=q.device)
+    width = int((tok - q_start).max()) + 1 if g else 1  # longest run of own keys
+    key = tok.unsqueeze(1) - torch.arange(width, device=q.device).unsqueeze(0)  # [G, W]
+    own = (key >= q_start.unsqueeze(1)).unsqueeze(1)  # [G, 1, W]
+    key = key.clamp(min=0)
+    rel = (q_pos.unsqueeze(1) - q_pos[key]).unsqueeze(1)  # [G, 1, W]
+    dt = (q_ts.unsqueeze(1) - q_ts[key]).unsqueeze(1)  # [G, 1, W]
+    bias = relative_bias(rel, dt, pos_bias, time_bias, edges).to(q.dtype)  # [G, H, 1, W]
+    fresh = silu_attention(q.unsqueeze(1), k_new[key], v_new[key], bias, own, divisor)
+    return out + fresh.squeeze(1)
 
 
 def check_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> None:
@@ -121,28 +135,55 @@ def fast_silu_allowed(fast: bool, q: torch.Tensor) -> bool:
     return not (torch.compiler.is_compiling() or is_fake(q))
 
 
-def _num_splits(programs: int, span: int, block_n: int, target: int = TARGET_PROGRAMS) -> int:
-    """Key splits so that about ``TARGET_PROGRAMS`` programs run; works on SymInts.
+def head_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., H, d]`` with each token's ``[H, d]`` contiguous, so a kernel can address
+    it by one token stride. Eager views (the chunks of the projection) pass as they are;
+    under tracing the tensor is made contiguous, so the strides the kernel was traced
+    with are the ones Inductor allocates (the copy fuses into the producer)."""
+    traced = torch.compiler.is_compiling() or is_fake(x)
+    if traced or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        return x.contiguous()
+    return x
+
+
+def num_splits(programs: int, span: int, block_n: int, target: int = TARGET_PROGRAMS) -> int:
+    """Key ranges per query so that about ``target`` programs run; works on SymInts.
 
     SiLU attention has no softmax, so the partial sums of key ranges simply add: a small
     batch (few programs) is cut along the keys to fill the GPU, a large one is not cut.
     """
-    per_split_min = (span + block_n - 1) // block_n  # splits of one key tile each
+    per_split_min = (span + block_n - 1) // block_n  # ranges of one key tile each
     wanted = (target + programs - 1) // programs
     return torch.sym_max(1, torch.sym_min(per_split_min, wanted))
+
+
+def split_buffers(
+    splits: int, outputs: int, tiles: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 workspace [splits · outputs] for the partial sums and zeroed int32 tickets
+    [tiles], both one element long when there is a single range (nothing to combine).
+    Sizes are SymInt arithmetic (no branch on a traced value)."""
+    used = torch.sym_min(splits - 1, 1)  # 0 for one range, else 1
+    ws = torch.empty(used * splits * outputs + 1, dtype=torch.float32, device=device)
+    tickets = torch.zeros(used * tiles + 1, dtype=torch.int32, device=device)
+    return ws, tickets
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 if triton is not None:
 
     @triton.jit
-    def _tile_blocks(start, k_end, table_row, block_size, BLOCK_N: tl.constexpr):
+    def tile_blocks(start, k_end, table_row, block_size, BLOCK_N: tl.constexpr):
         """Pool block of each key start..start+BLOCK_N (0 past ``k_end``), int64 [BN]."""
         keys = start + tl.arange(0, BLOCK_N)  # [BN]
         kmask = keys < k_end
         return tl.load(table_row + keys // block_size, mask=kmask, other=0).to(tl.int64)
 
     @triton.jit
-    def _tile_kv(
+    def tile_kv(
         start,
         k_end,
         blk,
@@ -150,29 +191,33 @@ if triton is not None:
         h,
         k_ptr,
         v_ptr,
-        ts_pool_ptr,
         stride_kv_block,
         stride_kv_slot,
         D: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        """K, V [BN, D] and key timestamps [BN] of one key tile, given its blocks [BN].
+        """K, V [BN, D] of one cached key tile, given its blocks [BN].
 
         Keys past ``k_end`` read as zeros: a zero V row adds nothing to the output, so the
-        score loop needs no per-element mask.
+        score loop needs no per-element mask (and NaN in an unwritten slot never loads).
         """
         keys = start + tl.arange(0, BLOCK_N)  # [BN]
         kmask = keys < k_end
-        slot = keys % block_size
-        rows = blk * stride_kv_block + slot * stride_kv_slot + h * D  # [BN]
+        rows = blk * stride_kv_block + (keys % block_size) * stride_kv_slot + h * D  # [BN]
         offs = rows[:, None] + tl.arange(0, D)[None, :]  # [BN, D]
         k = tl.load(k_ptr + offs, mask=kmask[:, None], other=0.0)
         v = tl.load(v_ptr + offs, mask=kmask[:, None], other=0.0)
-        k_ts = tl.load(ts_pool_ptr + blk * block_size + slot, mask=kmask, other=0)
-        return k, v, k_ts
+        return k, v
 
     @triton.jit
-    def _silu_over_n(s, inv_divisor, FAST: tl.constexpr):
+    def tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N: tl.constexpr):
+        """Timestamps [BN] of one cached key tile (0 past ``k_end``)."""
+        keys = start + tl.arange(0, BLOCK_N)  # [BN]
+        kmask = keys < k_end
+        return tl.load(ts_pool_ptr + blk * block_size + keys % block_size, mask=kmask, other=0)
+
+    @triton.jit
+    def silu_over_n(s, inv_divisor, FAST: tl.constexpr):
         """silu(s) / N in fp32. FAST (bf16/fp16 inputs): ``silu(s) = h + h·tanh(h)`` with
         h = s/2 and one ``tanh.approx`` (one special-function op instead of an exp and a
         division; its 2^-11 relative error is below the bf16 rounding that follows)."""
@@ -188,11 +233,12 @@ if triton is not None:
             return (s * tl.sigmoid(s) * inv_divisor).to(tl.float32)
 
     @triton.jit
-    def _bias(
-        keys, kmask, k_ts, pos, ts_q, h, pos_bias_ptr, edges, tb_delta, tb0, H: tl.constexpr,
+    def key_bias(
+        rel, kmask, dt, h, pos_bias_ptr, edges, tb_delta, tb0, H: tl.constexpr,
         NUM_POS: tl.constexpr,
     ):  # fmt: skip
-        """rab of one query against a tile of keys, fp32 [BN].
+        """rab of one query against a tile of keys (relative positions ``rel``, time
+        gaps ``dt`` [BN]), fp32 [BN].
 
         The time bucket is ``bucketize(|dt|, edges, right=True)`` = the number of edges
         <= |dt|, so ``time_bias[bucket] = time_bias[0] + Σ_{edge <= |dt|} Δ`` with
@@ -201,15 +247,14 @@ if triton is not None:
         made the memory-bound decode kernel ~3x slower on the H200: one more dependent
         load per key tile.)
         """
-        dt = ts_q - k_ts
         dt = tl.where(dt < 0, -dt, dt)  # [BN]
         t_bias = tb0 + tl.sum(tl.where(dt[:, None] >= edges[None, :], tb_delta[None, :], 0.0), 1)
-        rel = tl.minimum(tl.maximum(pos - keys, 0), NUM_POS - 1)
+        rel = tl.minimum(tl.maximum(rel, 0), NUM_POS - 1)
         p_bias = tl.load(pos_bias_ptr + rel * H + h, mask=kmask, other=0.0).to(tl.float32)
         return t_bias + p_bias
 
     @triton.jit
-    def _time_table(time_bias_ptr, edges_ptr, h, H: tl.constexpr, NUM_TIME: tl.constexpr,
+    def time_table(time_bias_ptr, edges_ptr, h, H: tl.constexpr, NUM_TIME: tl.constexpr,
                     NT_P2: tl.constexpr):  # fmt: skip
         """Bucket edges (int64 max past the last: never matched), Δ per edge, bias[0]."""
         e = tl.arange(0, NT_P2)
@@ -221,11 +266,52 @@ if triton is not None:
         return edges, hi - lo, tb0
 
     @triton.jit
+    def finish_tile(acc, offs, mask, out_ptr, ws_ptr, ticket_ptr, split, num_splits, ws_stride):
+        """Store one program's fp32 ``acc`` at ``out[offs]`` (the output's dtype).
+
+        With several key ranges each program parks its partial in the workspace slab of
+        its range; the last of a tile's ranges to take a ticket adds all slabs in range
+        order (deterministic) and stores the sum. The barrier orders every thread's
+        partial before the ticket; the ticket is acquire-release at GPU scope and the
+        slabs are read past L1 (``.cg``).
+        """
+        if num_splits == 1:
+            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(ws_ptr + split.to(tl.int64) * ws_stride + offs, acc, mask=mask)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                total = tl.zeros_like(acc)
+                for s in range(0, num_splits):  # (s · ws_stride < the workspace: no overflow)
+                    part = ws_ptr + s * ws_stride + offs
+                    total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _decode_tile(
+        acc, q, k, v, rel, kmask, dt, h, pos_bias_ptr, edges, tb_delta, tb0, inv_divisor,
+        H: tl.constexpr, NUM_POS: tl.constexpr, ACC2D: tl.constexpr, FAST: tl.constexpr,
+    ):  # fmt: skip
+        """acc += Σ_keys silu(q·k + rab) / N · v over one tile (masked keys: V rows 0)."""
+        s = tl.sum(k.to(tl.float32) * q[None, :], 1)  # [BN]
+        s += key_bias(rel, kmask, dt, h, pos_bias_ptr, edges, tb_delta, tb0, H, NUM_POS)
+        w = silu_over_n(s, inv_divisor, FAST)  # [BN]
+        if ACC2D:
+            acc += w[:, None] * v.to(tl.float32)  # [BN, D]: one reduction at the end
+        else:
+            acc += tl.sum(w[:, None] * v.to(tl.float32), 0)  # [D]
+        return acc
+
+    @triton.jit
     def _decode_kernel(
-        q_ptr,  # [G, H, D]
+        q_ptr,  # [G, H, D], token stride stride_q
         q_pos_ptr,  # [G]
         q_ts_ptr,  # [G]
         q_user_ptr,  # [G]
+        q_start_ptr,  # [G]: first new token of the query's user
+        kn_ptr,  # [G, H, D] new keys (the queries' own tokens), token stride stride_new
+        vn_ptr,  # [G, H, D]
         k_ptr,  # [NB, BS, H, D] (one layer of the pool)
         v_ptr,  # [NB, BS, H, D]
         ts_pool_ptr,  # [NB, BS]
@@ -234,12 +320,17 @@ if triton is not None:
         pos_bias_ptr,  # [NUM_POS, H]
         time_bias_ptr,  # [NUM_TIME, H]
         edges_ptr,  # [NUM_TIME - 1]
-        out_ptr,  # [G, H, D] fp32, zeroed: splits add into it
+        out_ptr,  # [G, H, D] in q's dtype
+        ws_ptr,  # [splits, G, H, D] fp32 partials (when splits > 1)
+        ticket_ptr,  # [G, H] int32, zeroed (when splits > 1)
         max_blocks,
         block_size,
         keys_per_split,
+        stride_q,
+        stride_new,
         stride_kv_block,
         stride_kv_slot,
+        ws_stride,
         scale,
         inv_divisor,
         H: tl.constexpr,
@@ -248,134 +339,66 @@ if triton is not None:
         NUM_TIME: tl.constexpr,
         NT_P2: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        ACC2D: tl.constexpr,
         FAST: tl.constexpr,
     ):
-        """One query (a new token) x one head x one key range: memory-bound decode."""
+        """One new token x one head x one key range: cached keys, then (range 0) the
+        user's new keys up to the token itself."""
         g = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         split = tl.program_id(2)
+        num_splits = tl.num_programs(2)
         user = tl.load(q_user_ptr + g).to(tl.int64)
         n_keys = tl.load(lens_ptr + user).to(tl.int32)
         k_start = split * keys_per_split
         k_end = tl.minimum(n_keys, k_start + keys_per_split)
-        if k_start < k_end:
-            offs_d = tl.arange(0, D)
-            # Inductor passes Python floats as fp64 scalars: every product is cast to fp32.
-            q = (tl.load(q_ptr + (g * H + h) * D + offs_d).to(tl.float32) * scale).to(tl.float32)
-            pos = tl.load(q_pos_ptr + g).to(tl.int32)
-            ts_q = tl.load(q_ts_ptr + g)
-            edges, tb_delta, tb0 = _time_table(time_bias_ptr, edges_ptr, h, H, NUM_TIME, NT_P2)
-            table_row = tables_ptr + user * max_blocks
-            acc = tl.zeros((D,), dtype=tl.float32)
-            for start in range(k_start, k_end, BLOCK_N):
-                blk = _tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
-                k, v, k_ts = _tile_kv(
-                    start, k_end, blk, block_size, h, k_ptr, v_ptr, ts_pool_ptr, stride_kv_block,
-                    stride_kv_slot, D, BLOCK_N,
-                )  # fmt: skip
-                keys = start + tl.arange(0, BLOCK_N)  # [BN]
-                kmask = keys < k_end
-                s = tl.sum(k.to(tl.float32) * q[None, :], 1)  # [BN]
-                s += _bias(keys, kmask, k_ts, pos, ts_q, h, pos_bias_ptr, edges, tb_delta,
-                           tb0, H, NUM_POS)  # fmt: skip
-                w = _silu_over_n(s, inv_divisor, FAST)  # masked keys: V rows are zero
-                acc += tl.sum(w[:, None] * v.to(tl.float32), 0)
-            tl.atomic_add(out_ptr + (g * H + h) * D + offs_d, acc)
-
-    @triton.jit
-    def _candidate_kernel(
-        q_ptr,  # [B, C, H, D]
-        q_pos_ptr,  # [B]: every candidate of a user sits at the same position ...
-        q_ts_ptr,  # [B]: ... and has the same timestamp, so the bias is per key only
-        q_user_ptr,  # [B]: the cache row of each query group (read when USER_MAP)
-        k_ptr,
-        v_ptr,
-        ts_pool_ptr,
-        tables_ptr,
-        lens_ptr,
-        pos_bias_ptr,
-        time_bias_ptr,
-        edges_ptr,
-        out_ptr,  # [B, C, H, D] fp32, zeroed
-        num_cands,
-        m_tiles,
-        max_blocks,
-        block_size,
-        keys_per_split,
-        stride_kv_block,
-        stride_kv_slot,
-        scale,
-        inv_divisor,
-        H: tl.constexpr,
-        D: tl.constexpr,
-        NUM_POS: tl.constexpr,
-        NUM_TIME: tl.constexpr,
-        NT_P2: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr,
-        FAST: tl.constexpr,
-        USER_MAP: tl.constexpr,
-    ):
-        """A tile of one group's queries x one head x one key range, on tensor cores.
-
-        A group is a user's C candidates (rank), or with ``USER_MAP`` one new token of user
-        ``q_user[group]`` padded to a 16-row tile (extend): tensor cores do 16x the needed
-        math there, but K/V then stream through shared memory instead of registers.
-        """
-        pid = tl.program_id(0)
-        h = tl.program_id(1)
-        split = tl.program_id(2)
-        group = (pid // m_tiles).to(tl.int64)
-        tile = pid % m_tiles
-        if USER_MAP:  # noqa: SIM108 (Triton resolves a constexpr if, not a ternary)
-            user = tl.load(q_user_ptr + group).to(tl.int64)
+        offs_d = tl.arange(0, D)
+        # Inductor passes Python floats as fp64 scalars: every product is cast to fp32.
+        q = (tl.load(q_ptr + g * stride_q + h * D + offs_d).to(tl.float32) * scale).to(tl.float32)
+        pos = tl.load(q_pos_ptr + g).to(tl.int32)
+        ts_q = tl.load(q_ts_ptr + g)
+        edges, tb_delta, tb0 = time_table(time_bias_ptr, edges_ptr, h, H, NUM_TIME, NT_P2)
+        table_row = tables_ptr + user * max_blocks
+        if ACC2D:
+            acc = tl.zeros((BLOCK_N, D), dtype=tl.float32)
         else:
-            user = group
-        n_keys = tl.load(lens_ptr + user).to(tl.int32)
-        k_start = split * keys_per_split
-        k_end = tl.minimum(n_keys, k_start + keys_per_split)
-        if k_start < k_end:
-            offs_d = tl.arange(0, D)
-            cand = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-            cmask = cand < num_cands
-            rows = ((group * num_cands + cand) * H + h) * D  # [BM]
-            q = tl.load(q_ptr + rows[:, None] + offs_d[None, :], mask=cmask[:, None], other=0.0)
-            pos = tl.load(q_pos_ptr + group).to(tl.int32)
-            ts_q = tl.load(q_ts_ptr + group)
-            edges, tb_delta, tb0 = _time_table(time_bias_ptr, edges_ptr, h, H, NUM_TIME, NT_P2)
-            table_row = tables_ptr + user * max_blocks
-            acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-            for start in range(k_start, k_end, BLOCK_N):
-                blk = _tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
-                k, v, k_ts = _tile_kv(
-                    start, k_end, blk, block_size, h, k_ptr, v_ptr, ts_pool_ptr, stride_kv_block,
-                    stride_kv_slot, D, BLOCK_N,
-                )  # fmt: skip
-                keys = start + tl.arange(0, BLOCK_N)  # [BN]
-                kmask = keys < k_end
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                bias = _bias(keys, kmask, k_ts, pos, ts_q, h, pos_bias_ptr, edges, tb_delta,
-                             tb0, H, NUM_POS)  # fmt: skip
-                s = (s * scale).to(tl.float32) + bias[None, :]  # [BM, BN]
-                w = _silu_over_n(s, inv_divisor, FAST)  # masked keys: V rows are zero
-                if IEEE:
-                    acc += tl.dot(w, v.to(tl.float32), input_precision="ieee")
-                else:
-                    acc += tl.dot(w.to(v.dtype), v)
-            tl.atomic_add(out_ptr + rows[:, None] + offs_d[None, :], acc, mask=cmask[:, None])
-
-    def _next_pow2(n: int) -> int:
-        return 1 << max(0, (int(n) - 1).bit_length())
+            acc = tl.zeros((D,), dtype=tl.float32)
+        for start in range(k_start, k_end, BLOCK_N):
+            blk = tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
+            k, v = tile_kv(start, k_end, blk, block_size, h, k_ptr, v_ptr, stride_kv_block,
+                            stride_kv_slot, D, BLOCK_N)  # fmt: skip
+            k_ts = tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N)
+            keys = start + tl.arange(0, BLOCK_N)  # [BN]
+            acc = _decode_tile(acc, q, k, v, pos - keys, keys < k_end, ts_q - k_ts, h,
+                               pos_bias_ptr, edges, tb_delta, tb0, inv_divisor, H, NUM_POS,
+                               ACC2D, FAST)  # fmt: skip
+        if split == 0:  # this call's own tokens of the user: q_start[g] .. g
+            for start in range(tl.load(q_start_ptr + g), g + 1, BLOCK_N):
+                keys = start + tl.arange(0, BLOCK_N)  # [BN] token indices
+                kmask = keys <= g
+                offs = (keys * stride_new + h * D)[:, None] + offs_d[None, :]  # [BN, D]
+                k = tl.load(kn_ptr + offs, mask=kmask[:, None], other=0.0)
+                v = tl.load(vn_ptr + offs, mask=kmask[:, None], other=0.0)
+                k_ts = tl.load(q_ts_ptr + keys, mask=kmask, other=0)
+                k_pos = tl.load(q_pos_ptr + keys, mask=kmask, other=0).to(tl.int32)
+                acc = _decode_tile(acc, q, k, v, pos - k_pos, kmask, ts_q - k_ts, h,
+                                   pos_bias_ptr, edges, tb_delta, tb0, inv_divisor, H,
+                                   NUM_POS, ACC2D, FAST)  # fmt: skip
+        if ACC2D:  # noqa: SIM108 (Triton resolves a constexpr if, not a ternary)
+            out = tl.sum(acc, 0)  # [D]
+        else:
+            out = acc
+        finish_tile(out, (g * H + h) * D + offs_d, offs_d < D, out_ptr, ws_ptr,
+                ticket_ptr + g * H + h, split, num_splits, ws_stride)  # fmt: skip
 
     def launch_decode(
         q: torch.Tensor,
         q_pos: torch.Tensor,
         q_ts: torch.Tensor,
         q_user: torch.Tensor,
+        q_start: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         ts_pool: torch.Tensor,
@@ -389,80 +412,29 @@ if triton is not None:
         num_warps: int = DECODE_WARPS,
         target_programs: int = TARGET_PROGRAMS,
         fast: bool = True,
-        mma: bool = DECODE_MMA,
-        mma_stages: int = DECODE_MMA_STAGES,
+        acc2d: bool = DECODE_ACC2D,
     ) -> torch.Tensor:
         """The decode kernel with an explicit launch shape (the op uses the defaults;
-        bench/h200_bench.py sweeps them). Returns fp32 [G, H, d]."""
-        if mma:  # one new token per 16-row tensor-core tile
-            return launch_candidates(
-                q.unsqueeze(1), q_pos, q_ts, k_cache, v_cache, ts_pool, block_tables,
-                cached_lens, pos_bias, time_bias, edges, divisor, 16, block_n, num_warps,
-                mma_stages, target_programs, fast, q_user=q_user,
-            ).squeeze(1)  # fmt: skip
+        bench/h200_bench.py sweeps them). Returns [G, H, d] in q's dtype."""
+        q, k_new, v_new = head_rows(q), head_rows(k_new), head_rows(v_new)
         num_queries, num_heads, head_dim = q.shape
         block_size = ts_pool.shape[1]
         max_blocks = block_tables.shape[1]
         span = max_blocks * block_size
-        splits = _num_splits(num_queries * num_heads, span, block_n, target_programs)
+        splits = num_splits(num_queries * num_heads, span, block_n, target_programs)
         per_split = (span + splits - 1) // splits
         per_split = (per_split + block_n - 1) // block_n * block_n
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        outputs = num_queries * num_heads * head_dim
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        ws, tickets = split_buffers(splits, outputs, num_queries * num_heads, q.device)
         torch.library.wrap_triton(_decode_kernel)[(num_queries, num_heads, splits)](
-            q.contiguous(), q_pos, q_ts, q_user, k_cache, v_cache, ts_pool, block_tables,
-            cached_lens, pos_bias, time_bias, edges, out, max_blocks, block_size, per_split,
-            k_cache.stride(0), k_cache.stride(1), 1.0 / math.sqrt(head_dim), 1.0 / divisor,
-            H=num_heads, D=head_dim, NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
-            NT_P2=_next_pow2(max(2, time_bias.shape[0] - 1)), BLOCK_N=block_n,
-            FAST=fast_silu_allowed(fast, q), num_warps=num_warps,
-        )  # fmt: skip
-        return out
-
-    def launch_candidates(
-        q: torch.Tensor,
-        q_pos: torch.Tensor,
-        q_ts: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        ts_pool: torch.Tensor,
-        block_tables: torch.Tensor,
-        cached_lens: torch.Tensor,
-        pos_bias: torch.Tensor,
-        time_bias: torch.Tensor,
-        edges: torch.Tensor,
-        divisor: int,
-        block_m: int = CAND_BLOCK_M,
-        block_n: int = CAND_BLOCK_N,
-        num_warps: int = CAND_WARPS,
-        num_stages: int = CAND_STAGES,
-        target_programs: int = CAND_TARGET_PROGRAMS,
-        fast: bool = True,
-        q_user: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The tensor-core kernel over q [groups, C, H, d] with an explicit launch shape.
-
-        A group is one user's C candidates (rank), or with ``q_user`` [groups] a query
-        group of user ``q_user[g]`` (the tensor-core decode). Returns fp32 of q's shape.
-        """
-        num_groups, num_cands, num_heads, head_dim = q.shape
-        block_size = ts_pool.shape[1]
-        max_blocks = block_tables.shape[1]
-        span = max_blocks * block_size
-        m_tiles = (num_cands + block_m - 1) // block_m
-        splits = _num_splits(num_groups * m_tiles * num_heads, span, block_n, target_programs)
-        per_split = (span + splits - 1) // splits
-        per_split = (per_split + block_n - 1) // block_n * block_n
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        grid = (num_groups * m_tiles, num_heads, splits)
-        torch.library.wrap_triton(_candidate_kernel)[grid](
-            q.contiguous(), q_pos, q_ts, q_pos if q_user is None else q_user, k_cache, v_cache,
-            ts_pool, block_tables, cached_lens, pos_bias, time_bias, edges, out, num_cands,
-            m_tiles, max_blocks, block_size, per_split, k_cache.stride(0), k_cache.stride(1),
-            1.0 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads, D=head_dim,
-            NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
-            NT_P2=_next_pow2(max(2, time_bias.shape[0] - 1)), BLOCK_M=block_m, BLOCK_N=block_n,
-            IEEE=q.dtype == torch.float32, FAST=fast_silu_allowed(fast, q),
-            USER_MAP=q_user is not None, num_warps=num_warps, num_stages=num_stages,
+            q, q_pos, q_ts, q_user, q_start, k_new, v_new, k_cache, v_cache, ts_pool,
+            block_tables, cached_lens, pos_bias, time_bias, edges, out, ws, tickets,
+            max_blocks, block_size, per_split, q.stride(0), k_new.stride(0),
+            k_cache.stride(0), k_cache.stride(1), outputs, 1.0 / math.sqrt(head_dim),
+            1.0 / divisor, H=num_heads, D=head_dim, NUM_POS=pos_bias.shape[0],
+            NUM_TIME=time_bias.shape[0], NT_P2=next_pow2(max(2, time_bias.shape[0] - 1)),
+            BLOCK_N=block_n, ACC2D=acc2d, FAST=fast_silu_allowed(fast, q), num_warps=num_warps,
         )  # fmt: skip
         return out
 
@@ -472,6 +444,9 @@ if triton is not None:
         q_pos: torch.Tensor,
         q_ts: torch.Tensor,
         q_user: torch.Tensor,
+        q_start: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         ts_pool: torch.Tensor,
@@ -482,41 +457,19 @@ if triton is not None:
         edges: torch.Tensor,
         divisor: int,
     ) -> torch.Tensor:
-        """Cached-context attention of G queries with their own positions/timestamps."""
-        out = launch_decode(
-            q, q_pos, q_ts, q_user, k_cache, v_cache, ts_pool, block_tables, cached_lens,
-            pos_bias, time_bias, edges, divisor,
+        """Attention of the step's new tokens to their user's cache and to each other."""
+        return launch_decode(
+            q, q_pos, q_ts, q_user, q_start, k_new, v_new, k_cache, v_cache, ts_pool,
+            block_tables, cached_lens, pos_bias, time_bias, edges, divisor,
         )  # fmt: skip
-        return out.to(q.dtype)
-
-    @torch.library.triton_op(OP_CANDIDATES, mutates_args={})
-    def paged_silu_attention_candidates(
-        q: torch.Tensor,
-        q_pos: torch.Tensor,
-        q_ts: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        ts_pool: torch.Tensor,
-        block_tables: torch.Tensor,
-        cached_lens: torch.Tensor,
-        pos_bias: torch.Tensor,
-        time_bias: torch.Tensor,
-        edges: torch.Tensor,
-        divisor: int,
-    ) -> torch.Tensor:
-        """Cached-context attention of C candidates per user (q [B, C, H, d])."""
-        out = launch_candidates(
-            q, q_pos, q_ts, k_cache, v_cache, ts_pool, block_tables, cached_lens, pos_bias,
-            time_bias, edges, divisor,
-        )  # fmt: skip
-        return out.to(q.dtype)
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-def fused_attention_enabled(backend: str, q: torch.Tensor) -> bool:
-    """Whether ``backend`` routes cached-context attention of ``q`` through the op.
+def fused_attention_enabled(backend: str, q: torch.Tensor, head_dim: int | None = None) -> bool:
+    """Whether ``backend`` routes the attention of ``q`` (head_dim: its last dim unless
+    given) through the fused ops.
 
     "auto" takes the fused kernel whenever it can run (CUDA tensor, Triton present,
     power-of-two head_dim); "triton" insists and says why it cannot; "torch" never.
@@ -525,7 +478,7 @@ def fused_attention_enabled(backend: str, q: torch.Tensor) -> bool:
         raise ModelError(f"attention_backend={backend!r} must be one of {ATTENTION_BACKENDS}")
     if backend == "torch":
         return False
-    head_dim = q.shape[-1]
+    head_dim = q.shape[-1] if head_dim is None else head_dim
     usable = triton_available() and q.is_cuda and head_dim >= 16 and not head_dim & (head_dim - 1)
     if backend == "triton" and not usable:
         raise ModelError(
@@ -536,11 +489,14 @@ def fused_attention_enabled(backend: str, q: torch.Tensor) -> bool:
     return usable
 
 
-def fused_context_attention(
+def fused_token_attention(
     q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
     q_pos: torch.Tensor,
     q_ts: torch.Tensor,
     q_user: torch.Tensor,
+    q_start: torch.Tensor,
     kv_layer: torch.Tensor,
     ts_pool: torch.Tensor,
     block_tables: torch.Tensor,
@@ -550,30 +506,10 @@ def fused_context_attention(
     edges: torch.Tensor,
     divisor: int,
 ) -> torch.Tensor:
-    """New tokens (own position/timestamp each): q [G, H, d], ``kv_layer [2, NB, BS, H, d]``."""
+    """The step's new tokens q, k_new, v_new [T, H, d] (jagged by user) against their
+    user's cache ``kv_layer [2, NB, BS, H, d]`` and each other, causally."""
     check_inputs(q, kv_layer[0])
     return torch.ops.streamrec.paged_silu_attention(
-        q, q_pos, q_ts, q_user, kv_layer[0], kv_layer[1], ts_pool, block_tables,
-        cached_lens, pos_bias, time_bias, edges, divisor,
-    )  # fmt: skip
-
-
-def fused_candidate_attention(
-    q: torch.Tensor,
-    q_pos: torch.Tensor,
-    q_ts: torch.Tensor,
-    kv_layer: torch.Tensor,
-    ts_pool: torch.Tensor,
-    block_tables: torch.Tensor,
-    cached_lens: torch.Tensor,
-    pos_bias: torch.Tensor,
-    time_bias: torch.Tensor,
-    edges: torch.Tensor,
-    divisor: int,
-) -> torch.Tensor:
-    """Candidates, C per user at one position/timestamp per user: q [B, C, H, d]."""
-    check_inputs(q, kv_layer[0])
-    return torch.ops.streamrec.paged_silu_attention_candidates(
-        q, q_pos, q_ts, kv_layer[0], kv_layer[1], ts_pool, block_tables, cached_lens,
-        pos_bias, time_bias, edges, divisor,
+        q, q_pos, q_ts, q_user, q_start, k_new, v_new, kv_layer[0], kv_layer[1], ts_pool,
+        block_tables, cached_lens, pos_bias, time_bias, edges, divisor,
     )  # fmt: skip

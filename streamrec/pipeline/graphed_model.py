@@ -17,10 +17,16 @@ and copied into that bucket's static buffers:
 - Block tables are padded to the widest table a user of ``max_seq_len`` can have; the
   kernels never read past a user's length, so stale entries there are harmless.
 
-``prefill`` and ``retrieve`` stay eager (variable history lengths; retrieve is a handful of
-large kernels). Calls that fit no bucket, or whose pool tensors are not the ones captured,
-run eagerly too and are counted. Outputs are copied out of the graph's static outputs
-before returning, so a later replay cannot overwrite what a caller still holds.
+``prefill`` and ``retrieve`` are called directly (variable history lengths; retrieve is a
+handful of large kernels). Calls that fit no bucket, or whose pool tensors are not the ones
+captured, run directly too and are counted. Outputs are copied out of the graph's static
+outputs before returning, so a later replay cannot overwrite what a caller still holds.
+
+Any backend works: eager ``HSTU`` and the AOTInductor runtime alike. A backend that
+checks its inputs (``CheckedModel``: the AOTI one, whose package would otherwise read out
+of bounds on a bad batch) has its check run on the caller's tensors before each replay,
+outside the capture, and the capture records its ``unchecked()`` twin, because the check
+copies values to the host and a capture forbids that synchronisation.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from streamrec.cache.kv_cache import KVCache
 from streamrec.errors import ConfigError
 from streamrec.pipeline.serving_model import ServingModel
 
@@ -39,6 +47,37 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 Call = Callable[[], tuple[torch.Tensor, ...]]
+
+
+@runtime_checkable
+class CheckedModel(Protocol):
+    """A ``ServingModel`` that validates its inputs with a host synchronisation."""
+
+    def check_extend(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts: torch.Tensor,
+        offsets: torch.Tensor,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+    ) -> None: ...
+
+    def check_rank(
+        self,
+        cand_items: torch.Tensor,
+        query_ts: torch.Tensor,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+    ) -> None: ...
+
+    def unchecked(self) -> ServingModel:
+        """The same entry points without any host synchronisation (capturable)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -94,6 +133,10 @@ class GraphedModel:
         config: GraphConfig,
     ) -> None:
         self.model = model
+        # What the captures record: the backend without its host-side checks, which run
+        # on the caller's tensors before each replay instead.
+        self._checks = model if isinstance(model, CheckedModel) else None
+        self._captured = model.unchecked() if isinstance(model, CheckedModel) else model
         self.config = config
         self._kv_pool = kv_pool  # [Lyr, 2, NB, BS, H, d]: captured by address
         self._ts_pool = ts_pool  # [NB, BS]
@@ -127,10 +170,16 @@ class GraphedModel:
         cached_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_tokens, num_users = items.shape[0], offsets.shape[0] - 1
-        bucket = self._bucket(num_tokens)
+        bucket = self._bucket(max(num_tokens, num_users))  # users without new tokens too
+        if bucket == num_users and num_tokens < num_users:
+            bucket = self._bucket(num_users + 1)  # a padding user must own the padding tokens
         if bucket is None or not self._fits(kv_pool, ts_pool, block_tables):
             self.stats.eager_calls += 1
             return self.model.extend(
+                items, actions, ts, offsets, kv_pool, ts_pool, block_tables, cached_lens
+            )
+        if self._checks is not None:
+            self._checks.check_extend(
                 items, actions, ts, offsets, kv_pool, ts_pool, block_tables, cached_lens
             )
         entry = self._extend.get(bucket) or self._capture_extend(bucket)
@@ -145,9 +194,12 @@ class GraphedModel:
             static[:num_tokens].copy_(real)
             static[num_tokens:].zero_()  # padding tokens see only themselves: any value
         s_offsets[: num_users + 1].copy_(offsets)
-        # padding user j (rows B..bucket-1) owns token T + j while padding tokens last
+        # padding user j (rows B..bucket-1) owns token T + j while padding tokens last, the
+        # last one whatever is left: every token belongs to a user (the kernels and the
+        # per-user new-token attention index by user), none to a real one
         tail = torch.arange(1, bucket - num_users + 1, device=self._device).clamp(max=pad)
         s_offsets[num_users + 1 :].copy_(num_tokens + tail)
+        s_offsets[-1] = bucket
         s_tables[:num_users, : block_tables.shape[1]].copy_(block_tables)
         s_lens[:num_users].copy_(cached_lens)
         s_lens[num_users:].zero_()
@@ -172,6 +224,10 @@ class GraphedModel:
         ):
             self.stats.eager_calls += 1
             return self.model.rank(
+                cand_items, query_ts, kv_pool, ts_pool, block_tables, cached_lens
+            )
+        if self._checks is not None:
+            self._checks.check_rank(
                 cand_items, query_ts, kv_pool, ts_pool, block_tables, cached_lens
             )
         entry = self._rank.get(bucket) or self._capture_rank(bucket)
@@ -233,7 +289,7 @@ class GraphedModel:
 
         def call() -> tuple[torch.Tensor, ...]:
             items, actions, ts, offs, tbl, lns = inputs
-            return self.model.extend(
+            return self._captured.extend(
                 items, actions, ts, offs, self._kv_pool, self._ts_pool, tbl, lns
             )
 
@@ -250,7 +306,7 @@ class GraphedModel:
         inputs = (cand, ts, tables, lens)
 
         def call() -> tuple[torch.Tensor, ...]:
-            return (self.model.rank(cand, ts, self._kv_pool, self._ts_pool, tables, lens),)
+            return (self._captured.rank(cand, ts, self._kv_pool, self._ts_pool, tables, lens),)
 
         entry = self._capture(call, inputs, f"rank/{bucket}")
         self._rank[bucket] = entry
@@ -276,18 +332,22 @@ class GraphedModel:
         return _Graph(inputs=inputs, call=call, outputs=outputs, graph=graph)
 
     def _record(self, call: Call) -> tuple[tuple[torch.Tensor, ...], torch.cuda.CUDAGraph]:
+        """Warm up and capture on one side stream (an AOTI runner captured on another
+        stream than it warmed up on is untested; this order is the one seen to work)."""
         side = torch.cuda.Stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.no_grad(), torch.cuda.stream(side):
             for _ in range(2):  # compiles the Triton kernels, lets cuBLAS pick its kernels
                 call()
-        torch.cuda.current_stream(self._device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with (
             torch.no_grad(),
-            torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"),
+            torch.cuda.graph(
+                graph, pool=self._pool, stream=side, capture_error_mode="thread_local"
+            ),
         ):
             outputs = call()
+        torch.cuda.current_stream(self._device).wait_stream(side)
         return outputs, graph
 
     def _run(self, entry: _Graph, name: str) -> tuple[torch.Tensor, ...]:
@@ -298,3 +358,33 @@ class GraphedModel:
         entry.graph.replay()
         self.stats.replays += 1
         return entry.outputs
+
+
+def capture_serving_graphs(
+    model: ServingModel,
+    cache: KVCache,
+    max_seq_len: int,
+    max_tokens: int,
+    max_users: int,
+    num_candidates: int,
+) -> GraphedModel:
+    """``model`` with extend and rank captured now, so no step pays for a capture.
+
+    Buckets are powers of two: extend up to ``max_tokens`` new tokens (a step can carry
+    several events per user), rank up to twice ``max_users`` (the batcher's
+    ``max_batch_users``: the bucket holding it), only when candidates are ranked.
+    """
+    buckets = tuple(1 << i for i in range(max_tokens.bit_length()))
+    rank = [b for b in buckets if b < 2 * max_users] if num_candidates else []
+    config = GraphConfig(
+        max_blocks=-(-max_seq_len // cache.config.block_size) + 1,
+        num_candidates=max(1, num_candidates),
+        buckets=buckets,
+    )
+    graphed = GraphedModel(model, cache.kv, cache.ts, config)
+    graphed.warm_up(extend=buckets, rank=rank)
+    log.info(
+        "CUDA graphs captured",
+        extra={"graphs": graphed.stats.captures, "seconds": round(graphed.stats.capture_s, 1)},
+    )
+    return graphed

@@ -23,6 +23,26 @@ from streamrec.cache.retrieval_set import RetrievalSet
 from streamrec.cache.stats import EmbeddingCacheStats, RetrievalSetStats
 from streamrec.errors import ConfigError
 from streamrec.models.hstu import HSTU
+from streamrec.models.retrieval import fused_retrieval_enabled, fused_retrieve, retrieve_reference
+
+
+def retrieve_members(
+    retrievable: RetrievalSet, user_emb: torch.Tensor, k: int, exclude: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` members by cosine score: ``(scores[B, k], item rows[B, k])``.
+
+    The set's table has the item table's layout (row 0 padding), so the model's own
+    retrieval ops serve it: the fused GEMM + top-k on CUDA, ``mm`` + ``topk`` elsewhere.
+    ``exclude[B, E]`` are item rows (-1 = none).
+    """
+    table = retrievable.table  # [1 + N, D]
+    drop = retrievable.excluded_rows(exclude)  # [B, E] table rows
+    k = min(k, retrievable.size)
+    if fused_retrieval_enabled("auto", user_emb, table, k, 1):
+        scores, rows = fused_retrieve(user_emb, table, drop, k, 1)
+    else:
+        scores, rows = retrieve_reference(user_emb, table, drop, k, 1)
+    return scores, retrievable.items[rows]
 
 
 class ItemCatalog:
@@ -62,7 +82,7 @@ class ItemCatalog:
         self, user_emb: torch.Tensor, k: int, exclude: np.ndarray
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores[B, k], item rows[B, k])`` over the retrievable set."""
-        return self.retrievable.retrieve(user_emb, k, exclude)
+        return retrieve_members(self.retrievable, user_emb, k, exclude)
 
     def observe(self, items: np.ndarray) -> None:
         """The item rows of a batch's new events (popularity for the next refresh)."""

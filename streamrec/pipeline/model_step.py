@@ -18,6 +18,7 @@ import torch
 
 from streamrec.cache.block_pool import NoRoom
 from streamrec.cache.history_store import History
+from streamrec.cache.kv_cache import to_device
 from streamrec.cache.kv_tiers import Admission, CacheOutcome, KVTiers
 from streamrec.errors import PipelineError
 from streamrec.pipeline.item_catalog import ItemCatalog
@@ -199,8 +200,8 @@ class ModelStep:
         lengths = np.fromiter((w.tokens.shape[0] for w in work), np.int64, len(work))
         offsets = np.zeros(len(work) + 1, dtype=np.int64)  # [B+1]
         np.cumsum(lengths, out=offsets[1:])
-        t = torch.from_numpy(np.ascontiguousarray(tokens.T)).to(self.device)  # [3, T]
-        return t[0], t[1], t[2], torch.from_numpy(offsets).to(self.device)
+        t = to_device(np.ascontiguousarray(tokens.T), self.device)  # [3, T]
+        return t[0], t[1], t[2], to_device(offsets, self.device)
 
     def _write(
         self, work: list[UserWork], k: torch.Tensor, v: torch.Tensor, ts: torch.Tensor

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from streamrec.cache.kv_cache import KVCache
+from streamrec.cache.kv_cache import KVCache, to_device
 from streamrec.errors import ConfigError
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
@@ -75,7 +75,7 @@ class Scorer:
         pool = cfg.num_candidates or cfg.top_k
         if self.catalog is None:
             ret_scores, ret_items = self.model.retrieve(
-                user_emb, pool, torch.from_numpy(exclude).to(device)
+                user_emb, pool, to_device(exclude, device)
             )  # [B, pool] each
         else:
             ret_scores, ret_items = self.catalog.retrieve(user_emb, pool, exclude)
@@ -89,7 +89,7 @@ class Scorer:
             mark("rank")
             return out
         tables, lens = self.cache.batch_tables(list(users))  # [B, MB], [B]
-        ts = torch.tensor(list(query_ts), dtype=torch.int64, device=device)  # [B]
+        ts = to_device(np.asarray(query_ts, dtype=np.int64), device)  # [B]
         cands = ret_items if self.catalog is None else self.catalog.candidate_slots(ret_items)
         probs = self.model.rank(
             cands, ts, self.cache.kv, self.cache.ts, tables, lens

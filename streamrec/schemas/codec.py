@@ -243,6 +243,8 @@ def decode_batch(
     events: list[DecodedEvent] = []
     errors: list[RejectedRecord] = []
     append_event = events.append
+    # A producer sends the same headers on every record: parse each distinct tuple once.
+    formats: dict[object, WireFormat | None] = {}
     # One flat loop body, no helper calls on the valid path: this runs once per consumed event.
     for record in records:
         try:
@@ -257,7 +259,15 @@ def decode_batch(
                 )
             if size == 0:
                 raise SchemaError(ErrorKind.UNDECODABLE, "empty record value")
-            fmt = header_format(record.headers) if record.headers else None
+            headers = record.headers
+            if not headers:
+                fmt = None
+            else:
+                key = tuple(headers)
+                if key in formats:
+                    fmt = formats[key]
+                else:
+                    fmt = formats[key] = header_format(headers)
             if fmt is None:
                 fmt = SNIFF_TABLE[value[0]]
             try:

@@ -16,13 +16,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import msgpack
 import numpy as np
 import numpy.typing as npt
+import orjson
 
 from streamrec.errors import SchemaError
 from streamrec.schemas.records import CacheOutcome, Recommendation
 from streamrec.schemas.validation import ErrorKind
-from streamrec.schemas.wire import WireFormat, dumps
+from streamrec.schemas.wire import WireFormat
 
 
 @dataclass(frozen=True)
@@ -62,30 +64,32 @@ class RecommendationBatch:
         return len(self.user_ids)
 
     def wire_maps(self) -> list[dict[str, object]]:
-        """Each row as the map ``Recommendation.to_wire`` would give (same keys, order)."""
+        """Each row as the map ``Recommendation.to_wire`` gives (same keys, same order;
+        pairs and task rows are tuples/lists, which both codecs write as arrays)."""
         ids = self.item_ids.tolist()  # one C call per array instead of one per element
         scores = self.scores.tolist()
         versions = self.versions.tolist()
         last = self.last_event_ts_ms.tolist()
-        tasks = None if self.task_scores is None else self.task_scores.tolist()
+        tasks = None
+        if self.task_scores is not None:
+            tasks = self.task_scores.transpose(0, 2, 1).tolist()  # [B][tasks][K]
+        names = self.task_names
         timings = dict(self.timings_ms) if self.timings_ms is not None else None
+        name, version, generated = self.model_name, self.model_version, self.generated_at_ms
         out: list[dict[str, object]] = []
         for b, user in enumerate(self.user_ids):
             fields: dict[str, object] = {
                 "user_id": user,
-                "items": [list(pair) for pair in zip(ids[b], scores[b], strict=True)],
-                "model_name": self.model_name,
-                "model_version": self.model_version,
+                "items": list(zip(ids[b], scores[b], strict=True)),
+                "model_name": name,
+                "model_version": version,
                 "version": versions[b],
                 "last_event_ts_ms": last[b],
-                "generated_at_ms": self.generated_at_ms,
+                "generated_at_ms": generated,
                 "cache_outcome": self.cache_outcomes[b].value,
             }
             if tasks is not None:
-                rows = tasks[b]  # [K][tasks]
-                fields["task_scores"] = {
-                    name: [row[col] for row in rows] for col, name in enumerate(self.task_names)
-                }
+                fields["task_scores"] = dict(zip(names, tasks[b], strict=True))
             if timings is not None:
                 fields["timings_ms"] = timings
             out.append(fields)
@@ -93,7 +97,11 @@ class RecommendationBatch:
 
     def encode(self, fmt: WireFormat = WireFormat.MSGPACK) -> list[bytes]:
         """Wire bytes per user, in row order."""
-        return [dumps(fields, fmt) for fields in self.wire_maps()]
+        maps = self.wire_maps()
+        if fmt is WireFormat.MSGPACK:
+            pack = msgpack.Packer(use_bin_type=True).pack
+            return [pack(fields) for fields in maps]
+        return [orjson.dumps(fields) for fields in maps]
 
     def records(self) -> list[Recommendation]:
         """Validated objects (off the hot path: the demo, tests)."""

@@ -312,9 +312,9 @@ class CacheConfig(_Section):
 class ModelConfig(_Section):
     """Which model to serve and how; ``require_aoti`` turns the eager fallback into an error.
 
-    ``cuda_graphs`` (CUDA, eager backend) replays extend and rank as CUDA graphs captured
+    ``cuda_graphs`` (CUDA, either backend) replays extend and rank as CUDA graphs captured
     at start for batch buckets of powers of two, up to ``graph_max_tokens`` new tokens per
-    step; larger steps run eagerly.
+    step; larger steps run directly.
     """
 
     SECTION: ClassVar[str] = "model"

@@ -62,15 +62,8 @@ class LogScopedStore(HistoryStore):
     def scoped(self, topic: str) -> str:
         return f"{topic}{SCOPE_SEPARATOR}{self._log_id}"
 
-    async def append(self, batch: Sequence[HistoryEvent]) -> AppendResult:
-        names: dict[str, str] = {}
-        events = []
-        for e in batch:  # plain tuples too
-            topic = names.get(e[1])
-            if topic is None:
-                topic = names[e[1]] = self.scoped(e[1])
-            events.append(HistoryEvent(e[0], topic, e[2], e[3], e[4]))
-        return await self.inner.append(events)
+    async def append(self, batch: Sequence[HistoryEvent], scope: str = "") -> AppendResult:
+        return await self.inner.append(batch, scope=self.scoped("") + scope)
 
     async def drop_partitions(self, tps: Collection[TopicPartition]) -> None:
         await self.inner.drop_partitions([(self.scoped(t), p) for t, p in tps])

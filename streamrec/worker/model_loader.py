@@ -3,7 +3,9 @@
 ``load_serving_model`` picks the backend: the AOTInductor package matching the model
 version in ``model_cfg.aoti_cache_dir`` when there is one, else the eager module (or an
 error under ``require_aoti``). Both satisfy ``ServingModel``; the engine, the metrics and
-the logs only ever see the backend's name.
+the logs only ever see the backend's name. ``graphed_serving_model`` then wraps either
+backend in CUDA graphs on a GPU: the AOTI package replayed per bucket is the fastest path
+(README, "Backends"), the eager module in graphs the fallback.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from streamrec.cache.kv_cache import KVCache
 from streamrec.errors import ExportError, ModelError
 from streamrec.models.aoti_export import ExportConfig
 from streamrec.models.aoti_runtime import open_aoti_model
 from streamrec.models.checkpoint import Checkpoint, load_checkpoint, load_item_table
+from streamrec.pipeline.graphed_model import GraphedModel, capture_serving_graphs
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
 from streamrec.worker.config import ModelConfig
@@ -60,10 +64,12 @@ def load_serving_model(
 ) -> tuple[ServingModel, str]:
     """The AOTI package of ``checkpoint`` from the package cache, else the eager module.
 
-    Compiling takes minutes, so the worker never compiles at start: ``streamrec export``
-    (an init container, an image build step) fills the cache ahead of time. Without a
-    matching package the worker serves eager and says so in the log and in
-    ``streamrec_model_backend``, unless ``require_aoti`` makes that a start-up error.
+    The package's runners read the checkpoint module's own tensors (one copy of the
+    weights on the device, shared with the eager fallback). Compiling takes minutes, so
+    the worker never compiles at start: ``streamrec export`` (an init container, an image
+    build step) fills the cache ahead of time. Without a matching package the worker
+    serves eager and says so in the log and in ``streamrec_model_backend``, unless
+    ``require_aoti`` makes that a start-up error.
     """
     try:
         model = open_aoti_model(
@@ -71,6 +77,7 @@ def load_serving_model(
             device,
             model_cfg.aoti_cache_dir,
             compile_if_missing=False,
+            checkpoint=checkpoint,
             config=export_config_for(scoring or ScoringConfig()),
         )
     except ExportError as exc:
@@ -127,3 +134,27 @@ def load_model(
         extra={"items": hstu.num_items, "gpu_rows": embedding_cache_rows},
     )
     return LoadedModel(checkpoint, checkpoint.model, "eager", device, item_table=table)
+
+
+def graphed_serving_model(
+    loaded: LoadedModel,
+    cache: KVCache,
+    model_cfg: ModelConfig,
+    max_batch_users: int,
+    num_candidates: int,
+) -> GraphedModel | None:
+    """``loaded.model`` with extend and rank captured in CUDA graphs (either backend),
+    or None where graphs do not apply: not on CUDA, or ``model.cuda_graphs`` is off.
+
+    Blocking (captures take seconds): call it off the event loop, before serving.
+    """
+    if loaded.device.type != "cuda" or not model_cfg.cuda_graphs:
+        return None
+    return capture_serving_graphs(
+        loaded.model,
+        cache,
+        max_seq_len=loaded.checkpoint.config.max_seq_len,
+        max_tokens=model_cfg.graph_max_tokens,
+        max_users=max_batch_users,
+        num_candidates=num_candidates,
+    )

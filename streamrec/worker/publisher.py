@@ -34,6 +34,7 @@ from streamrec.worker.config import KafkaConfig, TopicsConfig
 
 log = logging.getLogger(__name__)
 
+_PARTITION_CACHE_KEYS = 1 << 18  # users whose output partition is remembered (~35 MB)
 AckCallback = Callable[[], None]
 BatchAckCallback = Callable[[Sequence[int]], None]
 ErrorCallback = Callable[[BaseException], None]
@@ -62,6 +63,8 @@ class Publisher:
             kwargs["compression_type"] = kafka.producer_compression
         self._producer = producer_factory(**kwargs)
         self._in_flight = 0
+        self._partitions: list[int] = []
+        self._partition_of: dict[bytes, int] = {}  # user key -> output partition
         self._idle = asyncio.Event()
         self._idle.set()
         self.sent = 0
@@ -91,27 +94,30 @@ class Publisher:
         partitions = sorted(await self._producer.partitions_for(topic))
         if not partitions:
             raise BrokerError(f"output topic {topic!r} has no partitions")
+        if partitions != self._partitions:  # first use, or the topic grew: hash anew
+            self._partitions = partitions
+            self._partition_of.clear()
         groups: dict[int, list[int]] = {}
         n = len(partitions)
+        known = self._partition_of
         for i, (key, _) in enumerate(records):
-            groups.setdefault(partitions[(murmur2(key) & 0x7FFFFFFF) % n], []).append(i)
+            partition = known.get(key)
+            if partition is None:  # murmur2 is pure Python in aiokafka: ~3 µs a key
+                if len(known) >= _PARTITION_CACHE_KEYS:
+                    known.clear()
+                partition = known[key] = partitions[(murmur2(key) & 0x7FFFFFFF) % n]
+            groups.setdefault(partition, []).append(i)
         for partition, members in groups.items():
             batch = self._producer.create_batch()
             carried: list[int] = []
             for i in members:
                 key, value = records[i]
                 added = batch.append(key=key, value=value, timestamp=None, headers=self._headers)
-                if added is not None:
-                    carried.append(i)
-                    continue
-                if not carried:
-                    raise BrokerError(
-                        f"a recommendation of {len(value)} bytes exceeds "
-                        "kafka.producer_max_batch_bytes"
-                    )
-                await self._send_batch(batch, topic, partition, carried, on_ack)
-                batch, carried = self._producer.create_batch(), [i]
-                batch.append(key=key, value=value, timestamp=None, headers=self._headers)
+                if added is None:  # full: send what it holds; an empty batch takes any
+                    await self._send_batch(batch, topic, partition, carried, on_ack)
+                    batch, carried = self._producer.create_batch(), []
+                    batch.append(key=key, value=value, timestamp=None, headers=self._headers)
+                carried.append(i)
             await self._send_batch(batch, topic, partition, carried, on_ack)
 
     async def _send_batch(

@@ -4,9 +4,11 @@
     execute n   (engine thread, GPU)   ← the step the GPU is busy with
     publish n-1 (event loop)  ─┘  encode to bytes, hand to the producer
 
-``prepare`` (history append, plan, history reads of rebuilt users) runs one batch ahead
-of the step; ``publish`` of a finished batch runs while the engine thread executes the
-next one, so neither the store round trip nor result encoding leaves the GPU idle. Order
+``prepare`` (history append, plan, history reads of rebuilt users) runs ahead of the
+step; a prepared batch is handed to the engine thread at once (up to two steps queued
+there), so the thread runs step after step without a round trip through the event loop;
+``publish`` of a finished batch runs while the engine thread executes the next one, so
+neither the store round trip nor result encoding leaves the GPU idle. Order
 still holds where it matters: batches execute one at a time in batcher order (per-user
 token order), are published in that order (per-user output order), and an offset is
 done only when its append is durable (``prepare`` returned) and its record acknowledged
@@ -20,7 +22,7 @@ taken, so a batch begun before a rebalance never completes a record re-read afte
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,6 +42,11 @@ from streamrec.worker.publisher import Publisher
 TP = tuple[str, int]
 Generations = dict[TP, int | None]
 _TRACES = 4096  # batch traces kept for the latency split (bench, debugging)
+_STEPS_AHEAD = 2  # steps handed to the engine thread before the oldest is published
+
+
+def _stamp_executed(trace: BatchTrace, _: object) -> None:
+    trace.executed = time.monotonic()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +103,7 @@ class _InFlight:
     generations: Generations
     trace: BatchTrace
     prepared: PreparedBatch | None = None
+    step: asyncio.Task[BatchResult] | None = None
 
 
 class ServingPipeline:
@@ -119,6 +127,7 @@ class ServingPipeline:
         self._fmt = publisher.output_format
         self._clock = batcher.now
         self._queue: asyncio.Queue[_InFlight | None] = asyncio.Queue(maxsize=1)
+        self._stepping: asyncio.Queue[_InFlight | None] = asyncio.Queue(maxsize=_STEPS_AHEAD)
         self._open = asyncio.Event()
         self._open.set()
         self._idle = asyncio.Event()
@@ -132,13 +141,16 @@ class ServingPipeline:
 
     async def run(self) -> None:
         """Until the batcher is closed and everything taken from it is published."""
-        prepare = asyncio.create_task(self._prepare_loop(), name="streamrec-prepare")
+        loops = [
+            asyncio.create_task(self._prepare_loop(), name="streamrec-prepare"),
+            asyncio.create_task(self._submit_loop(), name="streamrec-submit"),
+        ]
         try:
-            await self._execute_loop()
+            await self._publish_loop()
         finally:
-            prepare.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await prepare
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
 
     async def hold(self, timeout_s: float) -> bool:
         """Take no new batch; True once every batch taken is published (within timeout)."""
@@ -192,28 +204,30 @@ class ServingPipeline:
             item.trace.prepared = time.monotonic()
             await self._queue.put(item)
 
-    async def _execute_loop(self) -> None:
-        done: tuple[_InFlight, BatchResult] | None = None
+    async def _submit_loop(self) -> None:
+        """Hand each prepared batch to the engine thread at once: its one worker runs the
+        steps in submission order, back to back, without waiting on this loop."""
         while True:
-            if done is not None and self._queue.empty():
-                await self._publish(*done)  # no next step to overlap with: publish now
-                done = None
             item = await self._queue.get()
-            step = None
-            if item is not None:
-                assert item.prepared is not None
-                item.trace.taken = time.monotonic()
-                step = asyncio.create_task(self._engine.execute(item.prepared))
-                await asyncio.sleep(0)  # let the step reach the engine thread first
-            if done is not None:
-                await self._publish(*done)  # while the engine thread runs ``step``
-                done = None
-            if item is None or step is None:
+            if item is None:
+                await self._stepping.put(None)
                 return
-            result = await step
-            self.last_step_at = item.trace.executed = time.monotonic()
+            assert item.prepared is not None
+            item.trace.taken = time.monotonic()
+            item.step = asyncio.create_task(self._engine.execute(item.prepared))
+            item.step.add_done_callback(functools.partial(_stamp_executed, item.trace))
+            await self._stepping.put(item)  # bounded: at most STEPS_AHEAD steps queued
+
+    async def _publish_loop(self) -> None:
+        while True:
+            item = await self._stepping.get()
+            if item is None:
+                return
+            assert item.step is not None
+            result = await item.step
+            self.last_step_at = time.monotonic()
             self._account(item)
-            done = (item, result)
+            await self._publish(item, result)
 
     async def _finished(self, seq: int) -> None:
         self._in_flight -= 1

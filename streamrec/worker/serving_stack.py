@@ -5,7 +5,8 @@
 - ``build_tiers``: the KV pool sized from ``[cache]`` (bytes, or a fraction of the free
   device memory, capped on the CPU where the RAM is shared), the pinned host tier and the
   disk tier behind it;
-- ``serving_model``: the loaded backend, replayed from CUDA graphs where that applies;
+- ``serving_model``: the loaded backend, replayed from CUDA graphs where that applies
+  (``model_loader.graphed_serving_model``);
 - ``serving_scoring``: the configured sizes clamped to the model's catalogue.
 """
 
@@ -24,12 +25,11 @@ from streamrec.cache.retrieval_set import RetrievalSet
 from streamrec.errors import ConfigError
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
-from streamrec.pipeline.graphed_model import GraphConfig, GraphedModel
 from streamrec.pipeline.item_catalog import ItemCatalog
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
 from streamrec.worker.config import CacheConfig, WorkerConfig
-from streamrec.worker.model_loader import LoadedModel
+from streamrec.worker.model_loader import LoadedModel, graphed_serving_model
 
 log = logging.getLogger(__name__)
 
@@ -39,43 +39,12 @@ _CPU_KV_BUDGET_CAP: Final = 256 << 20  # auto-sized KV pool on the CPU: RAM is s
 def serving_model(
     config: WorkerConfig, loaded: LoadedModel, cache: KVCache, scoring: ScoringConfig
 ) -> ServingModel:
-    """The loaded model, inside CUDA graphs on a GPU with ``model.cuda_graphs`` (blocking:
-    the captures take seconds). AOTI packages are not captured: their input checks read
-    values on the host, which a capture forbids."""
-    graphs = config.model.cuda_graphs and loaded.backend == "eager"
-    if loaded.device.type != "cuda" or not graphs:
-        return loaded.model
-    return capture_graphs(config, loaded.model, cache, scoring, loaded.checkpoint.config)
-
-
-def capture_graphs(
-    config: WorkerConfig,
-    model: ServingModel,
-    cache: KVCache,
-    scoring: ScoringConfig,
-    hstu: HSTUConfig,
-) -> GraphedModel:
-    """Capture extend and rank as CUDA graphs now, so no step pays for a capture.
-
-    Buckets are powers of two: extend up to ``graph_max_tokens`` new tokens (a step
-    can carry several events per user), rank up to the batcher's ``max_batch_users``.
-    """
-    max_tokens = config.model.graph_max_tokens
-    buckets = tuple(1 << i for i in range(max_tokens.bit_length()))
-    max_users = config.batching.max_batch_users
-    rank = [b for b in buckets if b < 2 * max_users] if scoring.num_candidates else []
-    shapes = GraphConfig(
-        max_blocks=-(-hstu.max_seq_len // cache.config.block_size) + 1,
-        num_candidates=max(1, scoring.num_candidates),
-        buckets=buckets,
+    """The loaded backend (eager or AOTI), inside CUDA graphs on a GPU with
+    ``model.cuda_graphs`` (blocking: the captures take seconds)."""
+    graphed = graphed_serving_model(
+        loaded, cache, config.model, config.batching.max_batch_users, scoring.num_candidates
     )
-    graphed = GraphedModel(model, cache.kv, cache.ts, shapes)
-    graphed.warm_up(extend=buckets, rank=rank)
-    log.info(
-        "CUDA graphs captured",
-        extra={"graphs": graphed.stats.captures, "seconds": round(graphed.stats.capture_s, 1)},
-    )
-    return graphed
+    return loaded.model if graphed is None else graphed
 
 
 def build_tiers(c: CacheConfig, loaded: LoadedModel) -> KVTiers:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from streamrec.cache.retrieval_set import RetrievalSet
 from streamrec.errors import ConfigError
+from streamrec.pipeline.item_catalog import retrieve_members
 
 FIRST = 3  # padding + 2 OOV rows
 
@@ -21,14 +22,14 @@ def test_retrieve_is_exact_over_the_members_and_masks_excluded_rows() -> None:
     rset = RetrievalSet(table, "cpu", 6, FIRST, initial=members)
     user = F.normalize(torch.randn(2, 8, generator=torch.Generator().manual_seed(2)), dim=-1)
     exclude = np.array([[9, -1, 30], [-1, -1, -1]])  # 30 is no member: nothing to mask
-    scores, items = rset.retrieve(user, 4, exclude)
+    scores, items = retrieve_members(rset, user, 4, exclude)
     exact = user @ F.normalize(table, dim=-1)[members].t()  # [2, 6]
     exact[0, 1] = float("-inf")
     want_scores, want_pos = torch.topk(exact, 4, dim=1)
     assert torch.equal(items, torch.from_numpy(members)[want_pos])
     torch.testing.assert_close(scores, want_scores)
     assert 9 not in items[0].tolist()
-    _, all_items = rset.retrieve(user, 10, np.zeros((2, 0), np.int64))  # k clamps to N
+    _, all_items = retrieve_members(rset, user, 10, np.zeros((2, 0), np.int64))  # k clamps to N
     assert all_items.shape == (2, 6)
 
 
@@ -41,8 +42,8 @@ def test_refresh_swaps_in_the_most_played_items_with_hysteresis() -> None:
     assert sorted(rset.members.tolist()) == [4, 5, 6, 31]  # the first of the tied weakest
     assert rset.stats().swapped == 1
     pos = int(np.flatnonzero(rset.members == 31)[0])
-    torch.testing.assert_close(rset.table[pos], F.normalize(_table()[31], dim=-1))
-    assert int(rset.items[pos]) == 31
+    torch.testing.assert_close(rset.table[pos + 1], F.normalize(_table()[31], dim=-1))
+    assert int(rset.items[pos + 1]) == 31
     stats = rset.stats()
     assert stats.events == 14 and stats.events_in_set == 8 and stats.refreshes == 1
 

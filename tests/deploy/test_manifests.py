@@ -250,6 +250,7 @@ def test_gpu_overlay_requests_one_gpu_and_keeps_the_aoti_cache(gpu: list[Resourc
     environ = pod_environ(worker(gpu))
     assert environ["STREAMREC_MODEL__DEVICE"] == "cuda"
     assert environ["STREAMREC_MODEL__REQUIRE_AOTI"] == "true"
+    assert environ["STREAMREC_MODEL__CUDA_GRAPHS"] == "true"  # AOTI in graphs: the fastest
     assert pod["initContainers"][0]["args"][0] == "export"
 
 

@@ -1,8 +1,9 @@
-"""Shared AOTI test material: one tiny model directory and its package, compiled once.
+"""Shared AOTI test material: one tiny model directory and its packages, compiled once.
 
-The package lands in the repo's ``.streamrec-cache/test-aoti`` (gitignored) under a key
+The packages land in the repo's ``.streamrec-cache/test-aoti`` (gitignored) under a key
 that depends only on the deterministic tiny model, so a second run loads instead of
-compiling (~75 s cold on the 2-core CI machine, ~2 s warm).
+compiling (3-6 min cold on the shared 2-core CI machine for the CPU package, ~2 s warm;
+the CUDA package compiles its four entry points in parallel on the GPU machine).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from streamrec.models.aoti_export import ExportConfig
-from streamrec.models.checkpoint import save_checkpoint
+from streamrec.models.aoti_export import ExportConfig, export_model
+from streamrec.models.aoti_runtime import AOTIModel, open_aoti_model
+from streamrec.models.checkpoint import Checkpoint, save_checkpoint
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
 from streamrec.models.vocabulary import ItemVocabulary
@@ -83,6 +85,9 @@ class Batch:
             self.kv, self.ts_pool, self.tables, self.lens,
         )  # fmt: skip
 
+    def to(self, device: str | torch.device) -> Batch:
+        return Batch(**{name: t.to(device) for name, t in vars(self).items()})
+
 
 def _jagged(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
@@ -118,3 +123,24 @@ def make_batch(model: HSTU, cached: list[int], new: list[int], seed: int) -> Bat
         cand=torch.randint(1, cfg.num_items, (len(cached), 3), generator=gen),
         query_ts=torch.full((len(cached),), 1_900_000_000_000, dtype=torch.int64),
     )
+
+
+def tiny_aoti_model(checkpoint: Checkpoint) -> AOTIModel:
+    """The tiny model's CPU package bound to ``checkpoint.model`` (compiled on first use)."""
+    return open_aoti_model(
+        checkpoint.path, "cpu", CACHE_DIR, compile_if_missing=True, checkpoint=checkpoint,
+        config=EXPORT, progress=print,
+    )  # fmt: skip
+
+
+def cuda_aoti_model(checkpoint: Checkpoint) -> AOTIModel:
+    """The tiny model's CUDA package bound to ``checkpoint.model`` (loaded on CUDA),
+    compiled on first use with its four entry points in parallel processes."""
+    export_model(
+        checkpoint.path, "cuda", CACHE_DIR, config=EXPORT, progress=print,
+        jobs=len(EXPORT.entry_points),
+    )  # fmt: skip
+    return open_aoti_model(
+        checkpoint.path, "cuda", CACHE_DIR, compile_if_missing=False, checkpoint=checkpoint,
+        config=EXPORT,
+    )  # fmt: skip

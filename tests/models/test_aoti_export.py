@@ -1,53 +1,88 @@
-"""Export: a key mismatch compiles a new package instead of loading the old one.
+"""Export: packages accumulate entry points, a cache hit compiles nothing, keys differ.
 
-Only ``retrieve`` is compiled here (a few seconds); the four-graph package and its
-equality with eager are covered by test_aoti_runtime.py.
+One small graph is compiled here (``retrieve``, in a child process through the parallel
+path); how a build adds entry points is checked with a stand-in compiler. The four-graph
+package and its equality with eager are covered by test_aoti_runtime.py.
 """
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from streamrec.errors import ExportError
-from streamrec.models.aoti_export import ExportConfig, build_package, package_key
-from streamrec.models.checkpoint import load_checkpoint
+from streamrec.models import aoti_export
+from streamrec.models.aoti_export import ExportConfig, build_package, export_model, package_key
+from streamrec.models.aoti_runtime import load_package
+from streamrec.models.checkpoint import load_checkpoint, model_version
 from streamrec.models.package_cache import PackageCache
-from tests.models.aoti_fixtures import CACHE_DIR, rel_err, tiny_model_dir
+from tests.models.aoti_fixtures import CACHE_DIR, make_batch, rel_err, tiny_model_dir
 
 pytestmark = pytest.mark.slow
 RETRIEVE_ONLY = ExportConfig(entry_points=("retrieve",), retrieve_k=8)
 
 
-def test_new_model_version_compiles_new_package(tmp_path: Path) -> None:
-    model = load_checkpoint(tiny_model_dir(tmp_path / "m")).model
+def test_parallel_export_compiles_in_a_child_process(tmp_path: Path) -> None:
+    model_dir = tiny_model_dir(tmp_path / "m")
+    model = load_checkpoint(model_dir).model
     cache = PackageCache(CACHE_DIR)
-    versions = [f"test-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    key = package_key(
+        model.config, "float32", model_version(model_dir), torch.device("cpu"), RETRIEVE_ONLY
+    )
+    if cache.directory(key).exists():  # left by an interrupted run
+        cache.discard(cache.directory(key))
     lines: list[str] = []
     try:
-        first = build_package(model, versions[0], CACHE_DIR, RETRIEVE_ONLY, progress=lines.append)
-        assert any("compiled retrieve" in line for line in lines)
-        lines.clear()
-        again = build_package(model, versions[0], CACHE_DIR, RETRIEVE_ONLY, progress=lines.append)
+        # a spawned process loads the model directory and compiles
+        first = export_model(model_dir, "cpu", CACHE_DIR, config=RETRIEVE_ONLY, jobs=2)
+        assert first.directory == cache.directory(key) and list(first.files) == ["retrieve"]
+        version = model_version(model_dir)
+        again = build_package(model, version, CACHE_DIR, RETRIEVE_ONLY, progress=lines.append)
         assert again.directory == first.directory and lines == []  # a hit: nothing compiled
-        second = build_package(model, versions[1], CACHE_DIR, RETRIEVE_ONLY, progress=lines.append)
-        assert second.directory != first.directory
-        assert any("compiled retrieve" in line for line in lines)
-        runner = torch._inductor.aoti_load_package(str(second.files["retrieve"]))
+        aoti = load_package(first, torch.device("cpu"), model)
         emb = torch.nn.functional.normalize(torch.randn(3, model.config.d_model), dim=-1)
         exclude = torch.full((3, 2), -1, dtype=torch.int64)
         with torch.no_grad():
-            got = runner(emb, exclude)
-            want = model.retrieve(emb, 8, exclude)
+            got, want = aoti.retrieve(emb, 8, exclude), model.retrieve(emb, 8, exclude)
         assert rel_err(got[0], want[0]) < 1e-5 and torch.equal(got[1], want[1])
+        with pytest.raises(ExportError, match="no 'extend' entry point"):
+            aoti.extend(*make_batch(model, [2], [1], seed=1).extend_args())
     finally:
-        for version in versions:
-            key = package_key(model.config, "float32", version, torch.device("cpu"), RETRIEVE_ONLY)
-            if cache.directory(key).exists():
-                cache.discard(cache.directory(key))
+        if cache.directory(key).exists():
+            cache.discard(cache.directory(key))
+
+
+def test_a_build_adds_missing_entry_points_and_carries_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiled: list[str] = []
+
+    def fake_compile(model: Any, name: str, config: Any, device: Any, path: Path,
+                     progress: Any = None) -> dict[str, float]:  # fmt: skip
+        compiled.append(name)
+        path.write_bytes(f"graph of {name}".encode())
+        return {"export_s": 0.0, "compile_s": 0.0}
+
+    monkeypatch.setattr(aoti_export, "compile_entry_point", fake_compile)
+    model = load_checkpoint(tiny_model_dir(tmp_path / "m")).model
+    first = build_package(model, "v1", tmp_path / "cache", RETRIEVE_ONLY)
+    both = ExportConfig(entry_points=("retrieve", "prefill"), retrieve_k=8)
+    grown = build_package(model, "v1", tmp_path / "cache", both)
+    assert compiled == ["retrieve", "prefill"]  # retrieve was not compiled twice
+    assert grown.directory == first.directory and sorted(grown.files) == ["prefill", "retrieve"]
+    assert grown.files["retrieve"].read_bytes() == b"graph of retrieve"
+    assert set(grown.manifest["timings"]) == {"prefill", "retrieve"}
+    assert grown.manifest["constants"]["model.item_emb.weight"] == {
+        "shape": [model.config.num_items, model.config.d_model],
+        "dtype": "float32",
+    }
+    build_package(model, "v1", tmp_path / "cache", RETRIEVE_ONLY)  # a subset: a hit
+    assert compiled == ["retrieve", "prefill"]
+    build_package(model, "v1", tmp_path / "cache", RETRIEVE_ONLY, force=True)
+    assert compiled == ["retrieve", "prefill", "retrieve"]
 
 
 def test_export_config_is_validated() -> None:
@@ -55,13 +90,16 @@ def test_export_config_is_validated() -> None:
         ExportConfig(entry_points=("decode",))
     with pytest.raises(ExportError, match="retrieve_k=0"):
         ExportConfig(retrieve_k=0)
+    with pytest.raises(ExportError, match="jobs=0"):
+        export_model("unused", "cpu", "unused", jobs=0)
 
 
-def test_export_config_changes_the_key(tmp_path: Path) -> None:
+def test_retrieve_k_changes_the_key_and_entry_points_do_not(tmp_path: Path) -> None:
     model = load_checkpoint(tiny_model_dir(tmp_path / "m")).model
     cpu = torch.device("cpu")
     keys = {
-        package_key(model.config, "float32", "v", cpu, cfg).export_hash
+        cfg: package_key(model.config, "float32", "v", cpu, cfg).export_hash
         for cfg in (ExportConfig(), ExportConfig(retrieve_k=8), RETRIEVE_ONLY)
     }
-    assert len(keys) == 3
+    assert keys[ExportConfig()] != keys[RETRIEVE_ONLY]
+    assert keys[ExportConfig(retrieve_k=8)] == keys[RETRIEVE_ONLY]

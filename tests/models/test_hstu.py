@@ -120,6 +120,59 @@ def test_extend_equals_prefill(seed: int) -> None:
     assert rel_err(cache.kv[:, 1].reshape(lyr, nb * bs, h, d)[:, idx], v_ref) < REL_TOL
 
 
+@pytest.mark.parametrize("seed", range(3))
+@torch.no_grad()
+def test_multi_token_extend_equals_prefill(seed: int) -> None:
+    """Backlogs: 1..40 new tokens per user in one call, users with none in the same
+    batch, block boundaries crossed inside a call; each step equals a full recompute."""
+    rng = random.Random(300 + seed)
+    cfg = HSTUConfig(
+        num_items=60, d_model=16, num_layers=2, num_heads=2, head_dim=8, max_seq_len=128,
+        num_time_buckets=10, task_hidden=8,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = HSTU(cfg).eval()
+    for layer in model.layers:
+        layer.pos_bias.normal_(0, 0.5)
+        layer.time_bias.normal_(0, 0.5)
+    gen = torch.Generator().manual_seed(seed)
+    block_size = rng.choice([4, 8, 16])
+    num_users = 5
+    hist = [random_history(cfg, cfg.max_seq_len, gen) for _ in range(num_users)]
+    cache = FakePagedCache(
+        model, num_blocks=num_users * (cfg.max_seq_len // block_size + 2),
+        block_size=block_size, seed=seed,
+    )  # fmt: skip
+    cache.add_users(num_users)
+    done = [0, 1, block_size, 7, 0]
+    items, actions, ts, offsets = jagged(hist, done, [0] * num_users)
+    k, v, _ = model.prefill(items, actions, ts, offsets)
+    cache.write([s for b in range(num_users) for s in cache.slots(b, done[b])], k, v, ts)
+    plans = [[40, 0, 1, 17, 33], [1, 40, 0, 2, 40], [0, 16, 40, 1, 5], [3, 0, 0, 40, 1]]
+    for plan in plans:
+        step = [min(n, cfg.max_seq_len - d) for n, d in zip(plan, done)]
+        items, actions, ts, offsets = jagged(hist, step, done)
+        tables, lens = cache.batch_tables()
+        k_new, v_new, user_emb = model.extend(
+            items, actions, ts, offsets, cache.kv, cache.ts, tables, lens
+        )
+        slots = [s for b in range(num_users) for s in cache.slots(b, step[b])]
+        cache.write(slots, k_new, v_new, ts)
+        done = [d + n for d, n in zip(done, step)]
+        moved = [b for b in range(num_users) if step[b]]
+        items, actions, ts, offsets = jagged(
+            [hist[b] for b in moved], [done[b] for b in moved], [0] * len(moved)
+        )
+        k_ref, _, emb_ref = model.prefill(items, actions, ts, offsets)
+        assert rel_err(user_emb[moved], emb_ref) < REL_TOL
+        idle = [b for b in range(num_users) if not step[b]]
+        assert torch.equal(user_emb[idle], torch.zeros_like(user_emb[idle]))
+        # the new tokens' keys are the recompute's keys at the same positions
+        ends = torch.tensor([done[b] for b in moved]).cumsum(0)
+        new_rows = torch.cat([torch.arange(e - step[b], e) for e, b in zip(ends.tolist(), moved)])
+        assert rel_err(k_new, k_ref[:, new_rows]) < REL_TOL
+
+
 def filled_cache(model: HSTU, hist, lens, block_size: int, seed: int) -> FakePagedCache:
     """A cache holding a full recompute (prefill) of the first lens[b] tokens of each user."""
     cfg = model.config
@@ -274,3 +327,52 @@ def test_prefill_width_changes_cost_not_results() -> None:
     for got, want in zip(tight, full, strict=True):
         assert got.shape == want.shape
         assert rel_err(got, want) < 1e-6
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_fused_extend_and_rank_equal_the_torch_path(monkeypatch) -> None:
+    """The model through the fused kernels (attention and layer halves; CUDA, or the
+    Triton CPU interpreter with the switches forced) equals its torch path: multi-token
+    extends with idle users, then rank over the cache they built, fp32."""
+    from streamrec.models import hstu as hstu_module
+    from tests.models.kernel_device import kernel_device
+
+    device = kernel_device(monkeypatch)
+    if device == "cpu":  # the interpreter: force the switches that want CUDA tensors
+        monkeypatch.setattr(hstu_module, "fused_attention_enabled", lambda *a: True)
+        monkeypatch.setattr(hstu_module.HSTULayer, "fusable", lambda self, x: True)
+    cfg = HSTUConfig(
+        num_items=60, d_model=64, num_layers=2, num_heads=2, head_dim=32, max_seq_len=64,
+        num_time_buckets=10, task_hidden=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    fused = HSTU(cfg).eval()
+    for layer in fused.layers:
+        layer.pos_bias.normal_(0, 0.5)
+        layer.time_bias.normal_(0, 0.5)
+    plain = HSTU(cfg, attention_backend="torch").eval()
+    plain.load_state_dict(fused.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    num_users = 4
+    hist = [random_history(cfg, cfg.max_seq_len, gen) for _ in range(num_users)]
+    cache = FakePagedCache(fused, num_blocks=num_users * 10, block_size=8, seed=0)
+    cache.add_users(num_users)
+    done = [0] * num_users
+    for plan in ([5, 0, 1, 20], [1, 9, 0, 17], [0, 20, 3, 1]):
+        items, actions, ts, offsets = jagged(hist, plan, done)
+        tables, lens = cache.batch_tables()
+        args = (items, actions, ts, offsets, cache.kv, cache.ts, tables, lens)
+        want = plain.extend(*args)
+        got = fused.to(device).extend(*(a.to(device) for a in args))
+        for g, w in zip(got, want, strict=True):
+            assert rel_err(g.cpu(), w) < REL_TOL
+        cache.write([s for b in range(num_users) for s in cache.slots(b, plan[b])], *want[:2], ts)
+        done = [d + n for d, n in zip(done, plan)]
+    cand = torch.randint(cfg.first_item_row, cfg.num_items, (num_users, 6), generator=gen)
+    query_ts = torch.stack([h[2][max(n - 1, 0)] for h, n in zip(hist, done)])
+    tables, lens = cache.batch_tables()
+    args = (cand, query_ts, cache.kv, cache.ts, tables, lens)
+    want_r = plain.rank(*args)
+    got_r = fused.rank(*(a.to(device) for a in args))
+    assert rel_err(got_r.cpu(), want_r) < REL_TOL

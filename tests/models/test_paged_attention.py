@@ -1,12 +1,18 @@
-"""The fused paged SiLU attention op against its torch reference (issue 8).
+"""The fused paged SiLU attention ops against their torch references (issues 8, 13, 14).
 
-CPU tests pin the reference to the model's own cached-context attention and check the
-backend switch; ``gpu`` tests run the Triton kernel (both launch shapes) at batch
-1…256 with cached lengths of 0, block boundaries and multi-split lengths.
+CPU tests pin the references to the model's own torch attention and check the backend
+switch; ``gpu`` tests run the Triton kernels (default and swept launch shapes) at batch
+1…256 with cached lengths of 0, block boundaries and multi-split lengths, 0…40 new
+tokens per user (decode) and the candidates' own keys (rank). The same ``gpu`` tests run
+on the CPU interpreter at small shapes (fp32 only):
 
-Tolerances: fp32 inputs use IEEE fp32 dots in the kernel, so the op matches the fp32
-reference within 1e-5 relative error. bf16 inputs: the op accumulates in fp32 and rounds
-the SiLU weights to bf16 once before the second matmul; it is compared with the fp32
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD /work/triton-venv/bin/python -m pytest \
+        -c /dev/null --noconftest -o markers=gpu -p no:cacheprovider -q -m gpu \
+        tests/models/test_paged_attention.py
+
+Tolerances: fp32 inputs use IEEE fp32 dots in the kernels, so the ops match the fp32
+reference within 1e-5 relative error. bf16 inputs: the ops accumulate in fp32 and round
+the SiLU weights to bf16 once before the second matmul; they are compared with the fp32
 reference on the same (bf16-rounded) inputs within 1e-2 relative error, and must be no
 worse than 2x the error of the bf16 torch path itself.
 """
@@ -21,19 +27,27 @@ import torch
 
 from streamrec.errors import ModelError
 from streamrec.models.attention import time_bucket_edges
+from streamrec.models.candidate_attention import (
+    candidate_attention_reference,
+    fused_candidate_attention,
+)
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
 from streamrec.models.paged_attention import (
     check_inputs,
     fast_silu_allowed,
     fused_attention_enabled,
-    fused_candidate_attention,
-    fused_context_attention,
+    fused_token_attention,
     paged_silu_attention_reference,
 )
+from tests.models.kernel_device import kernel_device
 
 BF16_TOL = 1e-2
 FP32_TOL = 1e-5
+ON_GPU = torch.cuda.is_available()
+# The interpreter runs a kernel program by program in NumPy: small shapes only there.
+BATCHES = [1, 8, 64, 256] if ON_GPU else [1, 5]
+LENGTH_CAP = 200 if ON_GPU else 40
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -44,12 +58,21 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @dataclass
 class Case:
-    """One layer's paged pool plus a batch of queries grouped by user."""
+    """One layer's paged pool plus a batch of queries grouped by user.
+
+    Decode (``rank`` False): the queries are each user's new tokens (counts may be 0),
+    with their own keys/values ``k_new``/``v_new`` and ``q_start`` (first new token of
+    the query's user). Rank: C candidates per user at one position/timestamp per user,
+    each with its own key/value.
+    """
 
     q: torch.Tensor  # [G, H, d]
     pos: torch.Tensor  # [G]
     ts: torch.Tensor  # [G]
     users: torch.Tensor  # [G]
+    q_start: torch.Tensor  # [G]
+    k_new: torch.Tensor  # [G, H, d]
+    v_new: torch.Tensor  # [G, H, d]
     kv: torch.Tensor  # [2, NB, BS, H, d]
     ts_pool: torch.Tensor  # [NB, BS]
     tables: torch.Tensor  # [B, MB] int32
@@ -60,43 +83,64 @@ class Case:
     rank: bool = False
     divisor: int = 4096
 
+    def per_user(self, t: torch.Tensor) -> torch.Tensor:
+        """[G, ...] -> [B, C, ...] (rank cases: every user has the same count)."""
+        return t.view(self.lens.shape[0], -1, *t.shape[1:])
+
+    def first(self, t: torch.Tensor) -> torch.Tensor:
+        """The per-user value of a per-query tensor (rank: all candidates share it)."""
+        num_users = self.lens.shape[0]
+        return t[torch.arange(num_users, device=t.device) * (t.shape[0] // num_users)]
+
     def reference(self) -> torch.Tensor:
+        if self.rank:
+            return candidate_attention_reference(
+                self.per_user(self.q), self.per_user(self.k_new), self.per_user(self.v_new),
+                self.first(self.pos), self.first(self.ts), self.kv[0], self.kv[1],
+                self.ts_pool, self.tables, self.lens, self.pos_bias, self.time_bias,
+                self.edges, self.divisor,
+            ).reshape(self.q.shape)  # fmt: skip
         return paged_silu_attention_reference(
-            self.q, self.pos, self.ts, self.users, self.kv[0], self.kv[1], self.ts_pool,
-            self.tables, self.lens, self.pos_bias, self.time_bias, self.edges, self.divisor,
+            self.q, self.pos, self.ts, self.users, self.q_start, self.k_new, self.v_new,
+            self.kv[0], self.kv[1], self.ts_pool, self.tables, self.lens, self.pos_bias,
+            self.time_bias, self.edges, self.divisor,
         )  # fmt: skip
 
     def fused(self) -> torch.Tensor:
-        """The decode op, or the candidate op when every user has the same query count
-        at one position/timestamp (how ``make_case(rank=True)`` builds them)."""
-        if not self.rank:
-            return fused_context_attention(
-                self.q, self.pos, self.ts, self.users, self.kv, self.ts_pool, self.tables,
-                self.lens, self.pos_bias, self.time_bias, self.edges, self.divisor,
-            )  # fmt: skip
-        num_users = self.lens.shape[0]
-        q = self.q.view(num_users, -1, *self.q.shape[1:])  # [B, C, H, d]
-        first = torch.arange(num_users, device=q.device) * q.shape[1]
-        out = fused_candidate_attention(
-            q, self.pos[first], self.ts[first], self.kv, self.ts_pool, self.tables, self.lens,
-            self.pos_bias, self.time_bias, self.edges, self.divisor,
+        if self.rank:
+            return fused_candidate_attention(
+                self.per_user(self.q), self.per_user(self.k_new), self.per_user(self.v_new),
+                self.first(self.pos), self.first(self.ts), self.kv, self.ts_pool,
+                self.tables, self.lens, self.pos_bias, self.time_bias, self.edges,
+                self.divisor,
+            ).reshape(self.q.shape)  # fmt: skip
+        return fused_token_attention(
+            self.q, self.k_new, self.v_new, self.pos, self.ts, self.users, self.q_start,
+            self.kv, self.ts_pool, self.tables, self.lens, self.pos_bias, self.time_bias,
+            self.edges, self.divisor,
         )  # fmt: skip
-        return out.view_as(self.q)
 
     def to(self, dtype: torch.dtype) -> Case:
         """The same case with float tensors in ``dtype`` (index tensors untouched)."""
         fields = dict(self.__dict__)
-        for name in ("q", "kv", "pos_bias", "time_bias"):
+        for name in ("q", "k_new", "v_new", "kv", "pos_bias", "time_bias"):
             fields[name] = fields[name].to(dtype)
         return Case(**fields)
 
 
 def make_case(
-    lens: list[int], queries: int, rank: bool, device: str, seed: int, head_dim: int = 64
+    lens: list[int],
+    queries: int | list[int],
+    rank: bool,
+    device: str,
+    seed: int,
+    head_dim: int = 64,
 ) -> Case:
-    """Random non-contiguous blocks per user, NaN in every unwritten slot."""
+    """Random non-contiguous blocks per user, NaN in every unwritten slot; ``queries``
+    per user (one count for all, or one per user; rank needs one for all)."""
     gen = torch.Generator().manual_seed(seed)
     heads, block_size, num_pos, num_time = 2, 16, 4096, 32
+    counts = [queries] * len(lens) if isinstance(queries, int) else list(queries)
     need = [-(-n // block_size) for n in lens]
     width = max(1, *need)
     num_blocks = sum(need) + 8
@@ -117,20 +161,26 @@ def make_case(
             2, n, heads, head_dim, generator=gen
         )
         ts_pool.view(-1)[slots] = base + torch.cumsum(gaps, 0)
-    users = torch.arange(len(lens)).repeat_interleave(queries)
+    count_t = torch.tensor(counts, dtype=torch.int64)
+    users = torch.arange(len(lens)).repeat_interleave(count_t)
+    starts = torch.cumsum(count_t, 0) - count_t  # [B]
     lens_t = torch.tensor(lens, dtype=torch.int64)
     g = users.shape[0]
+    slot = torch.arange(g) - starts[users]  # index of each query among its user's
     if rank:  # candidates: the user's next position and one query timestamp per user
         pos = lens_t[users]
         ts = (base + 10**11 + torch.randint(0, 10**9, (len(lens),), generator=gen))[users]
     else:  # new tokens: consecutive positions, increasing timestamps
-        pos = lens_t[users] + torch.arange(g) % queries
-        ts = base + 10**11 + torch.randint(0, 10**9, (g,), generator=gen)
+        pos = lens_t[users] + slot
+        ts = base + 10**11 + slot * 10**7 + torch.randint(0, 10**7, (g,), generator=gen)
     case = Case(
         q=torch.randn(g, heads, head_dim, generator=gen),
         pos=pos,
         ts=ts,
         users=users,
+        q_start=starts[users],
+        k_new=torch.randn(g, heads, head_dim, generator=gen),
+        v_new=torch.randn(g, heads, head_dim, generator=gen),
         kv=kv,
         ts_pool=ts_pool,
         tables=tables,
@@ -146,17 +196,25 @@ def make_case(
     return case
 
 
-def edge_lengths(batch: int, seed: int, cap: int = 200) -> list[int]:
+def edge_lengths(batch: int, seed: int, cap: int = LENGTH_CAP) -> list[int]:
     """0, block boundaries ±1, then random lengths up to ``cap``."""
     rng = random.Random(seed)
     fixed = [0, 1, 15, 16, 17, 32, 48, cap]
     return [fixed[i] if i < len(fixed) else rng.randint(0, cap) for i in range(batch)]
 
 
+def new_token_counts(batch: int, seed: int, cap: int = 40) -> list[int]:
+    """New tokens per user: 0 (idle users), 1, the cap, block-size edges, random."""
+    rng = random.Random(seed + 1)
+    fixed = [1, 0, cap, 16, 17, 2, 0, 31]
+    return [fixed[i] if i < len(fixed) else rng.randint(0, cap) for i in range(batch)]
+
+
 # ------------------------------------------------------------------------ CPU
 
 
-def test_reference_is_the_model_context_attention() -> None:
+def _model_and_case(rank: bool) -> tuple[HSTU, Case, torch.Tensor]:
+    """A torch-backend model whose layer 1 biases the case uses, and a 2-layer pool."""
     cfg = HSTUConfig(num_items=50, d_model=32, num_heads=2, head_dim=16, max_seq_len=64)
     torch.manual_seed(0)
     model = HSTU(cfg, attention_backend="torch").eval()
@@ -164,19 +222,63 @@ def test_reference_is_the_model_context_attention() -> None:
     with torch.no_grad():
         layer.pos_bias.normal_(0, 0.5)
         layer.time_bias.normal_(0, 0.5)
-    case = make_case([0, 5, 16, 40], 3, rank=False, device="cpu", seed=1, head_dim=16)
+    queries: int | list[int] = 3 if rank else [2, 0, 5, 3]
+    case = make_case([0, 5, 16, 40], queries, rank=rank, device="cpu", seed=1, head_dim=16)
     case.divisor = cfg.max_seq_len
     case.pos_bias = layer.pos_bias.detach()
     case.time_bias = layer.time_bias.detach()
     case.edges = time_bucket_edges(cfg.num_time_buckets, cfg.time_bucket_width)
     pool = torch.stack([torch.zeros_like(case.kv), case.kv])  # layer 1 of a 2-layer pool
-    with torch.no_grad():
-        want = model._context_attention(
-            1, case.q, case.pos, case.ts, case.users, pool, case.ts_pool, case.tables, case.lens
-        )
+    return model, case, pool
+
+
+@torch.no_grad()
+def test_reference_is_the_model_token_attention() -> None:
+    """Cached keys plus the user's own new keys, as the model's torch path of extend."""
+    model, case, pool = _model_and_case(rank=False)
+    counts = torch.bincount(case.users, minlength=case.lens.shape[0])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    slot = torch.arange(case.q.shape[0]) - case.q_start
+    layer = model.layers[1]
+    cached = model._context_attention(
+        1, case.q, case.pos, case.ts, case.users, pool, case.ts_pool, case.tables, case.lens
+    )
+    geo = model._new_token_geometry(offsets, case.users, slot, case.pos, case.ts)
+    assert geo.grid is not None and geo.mask.shape == (4, 5, 5)  # [B, longest, longest]
+    fresh = model._new_token_attention(layer, case.q, case.k_new, case.v_new, geo)
     got = case.reference()
     assert torch.isfinite(got).all()
-    assert rel_err(got, want) < 1e-6
+    assert rel_err(got, cached + fresh) < 1e-6
+
+
+@torch.no_grad()
+def test_new_token_attention_padded_equals_the_static_square(monkeypatch) -> None:
+    """The per-user padded rows (eager) and the [T, T] square (traced) agree."""
+    model, case, _ = _model_and_case(rank=False)
+    counts = torch.bincount(case.users, minlength=case.lens.shape[0])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    slot = torch.arange(case.q.shape[0]) - case.q_start
+    layer = model.layers[1]
+    args = (offsets, case.users, slot, case.pos, case.ts)
+    padded = model._new_token_attention(
+        layer, case.q, case.k_new, case.v_new, model._new_token_geometry(*args)
+    )
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    geo = model._new_token_geometry(*args)
+    assert geo.grid is None and geo.mask.shape == (1, 10, 10)
+    square = model._new_token_attention(layer, case.q, case.k_new, case.v_new, geo)
+    assert rel_err(padded, square) < 1e-6
+
+
+@torch.no_grad()
+def test_candidate_reference_is_the_model_candidate_attention() -> None:
+    """Cached keys plus each candidate's own key, as the model's torch path of rank."""
+    model, case, pool = _model_and_case(rank=True)
+    want = model._candidate_attention(
+        1, case.per_user(case.q), case.per_user(case.k_new), case.per_user(case.v_new),
+        case.first(case.ts), pool, case.ts_pool, case.tables, case.lens,
+    )  # fmt: skip
+    assert rel_err(case.reference(), want.reshape(case.q.shape)) < 1e-6
 
 
 def test_backend_switch_on_cpu() -> None:
@@ -218,20 +320,21 @@ def test_fast_silu_only_in_eager_low_precision_launches() -> None:
         assert not fast_silu_allowed(True, fake)
 
 
-# ------------------------------------------------------------------------ GPU
+# ------------------------------------------------------------- GPU / interpreter
 
 
-def _cuda() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+def _cuda_only() -> None:
+    if not ON_GPU:
+        pytest.skip("needs CUDA (bf16 and export are not checked on the interpreter)")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 8, 64, 256])
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("rank", [False, True])
-def test_op_matches_reference_fp32(batch: int, rank: bool) -> None:
-    _cuda()
-    case = make_case(edge_lengths(batch, batch), 32 if rank else 2, rank, "cuda", seed=batch)
+def test_op_matches_reference_fp32(batch: int, rank: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    device = kernel_device(monkeypatch)
+    queries = 32 if rank else new_token_counts(batch, batch)
+    case = make_case(edge_lengths(batch, batch), queries, rank, device, seed=batch)
     got = case.fused()
     err = rel_err(got, case.reference())
     print(f"fp32 batch={batch} rank={rank}: rel err {err:.2e}")
@@ -239,11 +342,12 @@ def test_op_matches_reference_fp32(batch: int, rank: bool) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 8, 64, 256])
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("rank", [False, True])
 def test_op_bf16_error(batch: int, rank: bool) -> None:
-    _cuda()
-    exact = make_case(edge_lengths(batch, batch), 32 if rank else 2, rank, "cuda", seed=batch)
+    _cuda_only()
+    queries = 32 if rank else new_token_counts(batch, batch)
+    exact = make_case(edge_lengths(batch, batch), queries, rank, "cuda", seed=batch)
     low = exact.to(torch.bfloat16)
     want = low.to(torch.float32).reference()  # fp32 math on the bf16-rounded inputs
     got_err = rel_err(low.fused(), want)
@@ -255,30 +359,84 @@ def test_op_bf16_error(batch: int, rank: bool) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rank", [False, True])
-def test_long_histories_and_splits(rank: bool) -> None:
-    """Lengths past one key split and one key tile, several candidate tiles per user."""
-    _cuda()
-    lens = [0, 255, 256, 257, 700, 1100, 3, 4096]
-    case = make_case(lens, 130 if rank else 3, rank=rank, device="cuda", seed=7)
+def test_long_histories_and_splits(rank: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lengths past one key range and one key tile, several candidate tiles per user,
+    runs of new tokens longer than a key tile."""
+    device = kernel_device(monkeypatch)
+    if ON_GPU:
+        lens, cands, counts = [0, 255, 256, 257, 700, 1100, 3, 4096], 130, [3, 40, 1, 0]
+    else:
+        lens, cands, counts = [0, 63, 64, 65, 130, 3], 20, [3, 40, 1, 0]
+    queries = cands if rank else (counts * 2)[: len(lens)]
+    case = make_case(lens, queries, rank=rank, device=device, seed=7)
     err = rel_err(case.fused(), case.reference())
     assert err < FP32_TOL
 
 
 @pytest.mark.gpu
-def test_export_keeps_the_op() -> None:
-    """torch.export keeps one custom-op node, so AOTInductor packages the kernel."""
-    _cuda()
-    case = make_case([5, 20, 33], 2, rank=False, device="cuda", seed=5)
+def test_decode_launch_variants_and_determinism(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every launch shape the sweep tries gives the reference; one key range or many
+    (the last range to finish adds the partials in a fixed order: bit-identical)."""
+    device = kernel_device(monkeypatch)
+    from streamrec.models import paged_attention as pa
+
+    c = make_case([0, 17, 40, 33], [2, 0, 19, 1], rank=False, device=device, seed=11)
+    want = c.reference()
+    args = (c.q, c.pos, c.ts, c.users, c.q_start, c.k_new, c.v_new, c.kv[0], c.kv[1],
+            c.ts_pool, c.tables, c.lens, c.pos_bias, c.time_bias, c.edges, c.divisor)  # fmt: skip
+    for block_n, warps, target, acc2d in [
+        (16, 2, 1, False), (32, 4, 1, True), (64, 2, 4096, False), (16, 4, 4096, True),
+    ]:  # fmt: skip
+        got = pa.launch_decode(*args, block_n, warps, target, True, acc2d)
+        assert rel_err(got, want) < FP32_TOL, (block_n, warps, target, acc2d)
+        if target > 1:
+            assert torch.equal(got, pa.launch_decode(*args, block_n, warps, target, True, acc2d))
+
+
+@pytest.mark.gpu
+def test_candidate_launch_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    device = kernel_device(monkeypatch)
+    from streamrec.models import candidate_attention as ca
+
+    c = make_case([0, 17, 40, 70], 19, rank=True, device=device, seed=12)
+    want = c.reference()
+    args = (c.per_user(c.q), c.per_user(c.k_new), c.per_user(c.v_new), c.first(c.pos),
+            c.first(c.ts), c.kv[0], c.kv[1], c.ts_pool, c.tables, c.lens, c.pos_bias,
+            c.time_bias, c.edges, c.divisor)  # fmt: skip
+    for block_m, block_n, warps, stages, target in [
+        (16, 16, 4, 2, 1), (64, 32, 4, 2, 1024), (128, 64, 8, 3, 256), (128, 16, 8, 2, 4096),
+        (64, 128, 4, 2, 256), (256, 32, 8, 2, 256),
+    ]:  # fmt: skip
+        got = ca.launch_candidates(*args, block_m, block_n, warps, stages, target)
+        assert rel_err(got.view_as(c.q), want) < FP32_TOL, (block_m, block_n, target)
+
+
+@pytest.mark.gpu
+def test_export_keeps_the_ops() -> None:
+    """torch.export keeps one custom-op node each, so AOTInductor packages the kernels."""
+    _cuda_only()
+    dec = make_case([5, 20, 33], [2, 0, 3], rank=False, device="cuda", seed=5)
+    cand = make_case([5, 20, 33], 4, rank=True, device="cuda", seed=6)
 
     class Attn(torch.nn.Module):
-        def forward(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            c = case
-            return fused_context_attention(
-                q, c.pos, c.ts, c.users, kv, c.ts_pool, c.tables, c.lens, c.pos_bias,
-                c.time_bias, c.edges, c.divisor,
+        def forward(self, q: torch.Tensor, qc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            c, r = dec, cand
+            tok = fused_token_attention(
+                q, c.k_new, c.v_new, c.pos, c.ts, c.users, c.q_start, c.kv, c.ts_pool,
+                c.tables, c.lens, c.pos_bias, c.time_bias, c.edges, c.divisor,
             )  # fmt: skip
+            cands = fused_candidate_attention(
+                qc, r.per_user(r.k_new), r.per_user(r.v_new), r.first(r.pos), r.first(r.ts),
+                r.kv, r.ts_pool, r.tables, r.lens, r.pos_bias, r.time_bias, r.edges,
+                r.divisor,
+            )  # fmt: skip
+            return tok, cands
 
-    program = torch.export.export(Attn(), (case.q, case.kv), strict=False)
+    args = (dec.q, cand.per_user(cand.q))
+    program = torch.export.export(Attn(), args, strict=False)
     targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
-    assert any("paged_silu_attention" in t for t in targets), targets
-    assert rel_err(program.module()(case.q, case.kv), case.reference()) < FP32_TOL
+    assert any("paged_silu_attention." in t for t in targets), targets
+    assert any("paged_silu_attention_candidates" in t for t in targets), targets
+    tok, cands = program.module()(*args)
+    assert rel_err(tok, dec.reference()) < FP32_TOL
+    assert rel_err(cands.view_as(cand.q), cand.reference()) < FP32_TOL

@@ -1,16 +1,23 @@
 """GraphedModel: padding to a bucket changes nothing; replayed graphs equal eager calls.
 
 The CPU tests run the padded calls eagerly (``capture=False``), which is where the
-padding logic lives; the ``gpu`` test captures and replays real CUDA graphs.
+padding logic lives; the ``gpu`` tests capture and replay real CUDA graphs, of the eager
+module and of the AOTI package (whose input checks run before each replay).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from streamrec.errors import ConfigError
+from streamrec.errors import ConfigError, ModelError
+from streamrec.models.checkpoint import load_checkpoint
+from streamrec.models.config import HSTUConfig
 from streamrec.pipeline.graphed_model import GraphConfig, GraphedModel
+from streamrec.schemas.events import NUM_ACTIONS
+from tests.models.aoti_fixtures import cuda_aoti_model, make_batch, tiny_aoti_model, tiny_model_dir
 from tests.models.paged import FakePagedCache
 from tests.models.test_hstu import filled_cache, jagged, random_history, random_model, rel_err
 
@@ -84,6 +91,17 @@ def test_calls_that_fit_no_graph_run_eagerly() -> None:
     assert graphed.stats.by_bucket == {}
 
 
+@torch.no_grad()
+def test_users_without_new_tokens_get_a_bucket_of_their_number() -> None:
+    cached, new = [3, 5, 2, 4], [1, 0, 0, 1]  # 2 tokens, 4 users -> bucket 8 (not 2)
+    model, cache, hist, _ = _setup(4, cached)
+    graphed = _graphed(model, cache, cands=2, capture=False)
+    args = _extend_args(model, cache, hist, cached, new)
+    for got, want in zip(graphed.extend(*args), model.extend(*args), strict=True):
+        assert got.shape == want.shape and rel_err(got, want) < TOL
+    assert graphed.stats.by_bucket == {"extend/8": 1}
+
+
 def test_config_names_bad_values() -> None:
     with pytest.raises(ConfigError, match=r"buckets=\(4, 2\)"):
         GraphConfig(max_blocks=4, num_candidates=2, buckets=(4, 2))
@@ -110,3 +128,78 @@ def test_replayed_graphs_equal_eager_calls_on_cuda() -> None:
         assert rel_err(graphed.rank(*rank_args), model.rank(*rank_args)) < 1e-4
     assert graphed.stats.replays == 6
     assert graphed.stats.eager_calls == 0
+
+
+# ------------------------------------------------------------ the AOTI backend
+
+
+def _new_tokens(cfg: HSTUConfig, new: list[int], gen: torch.Generator, device: str):
+    total = sum(new)
+    items = torch.randint(1, cfg.num_items, (total,), generator=gen)
+    actions = torch.randint(1, NUM_ACTIONS, (total,), generator=gen)
+    ts = 1_800_000_000_000 + torch.randint(0, 10**6, (total,), generator=gen).cumsum(0)
+    offsets = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int64)
+    return tuple(t.to(device) for t in (items, actions, ts, offsets))
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_aoti_backend_is_padded_and_checked_before_the_graph(tmp_path: Path) -> None:
+    checkpoint = load_checkpoint(tiny_model_dir(tmp_path / "m"))
+    eager = checkpoint.model
+    aoti = tiny_aoti_model(checkpoint)  # the package of tests/models (cached)
+    batch = make_batch(eager, [0, 3, 7, 1, 10], [1, 2, 1, 1, 1], seed=5)  # 6 tokens: bucket 8
+    config = GraphConfig(
+        max_blocks=eager.config.max_seq_len // 4 + 2, num_candidates=3, buckets=(1, 2, 8),
+        capture=False,
+    )  # fmt: skip
+    graphed = GraphedModel(aoti, batch.kv, batch.ts_pool, config)
+    args = batch.extend_args()
+    for got, want in zip(graphed.extend(*args), eager.extend(*args), strict=True):
+        assert got.shape == want.shape and rel_err(got, want) < TOL
+    got_r, want_r = graphed.rank(*batch.rank_args()), eager.rank(*batch.rank_args())
+    assert rel_err(got_r, want_r) < TOL
+    assert graphed.stats.by_bucket == {"extend/8": 1, "rank/8": 1}
+    # Bad batches are refused before anything is copied into the graph's buffers.
+    with pytest.raises(ModelError, match="invalid jagged batch: offsets"):
+        graphed.extend(*args[:3], torch.tensor([0, 2, 1, 3, 4, 6]), *args[4:])
+    too_long = torch.full_like(batch.lens, 10_000)
+    with pytest.raises(ModelError, match="cached_lens"):
+        graphed.rank(*batch.rank_args()[:5], too_long)
+    with pytest.raises(ModelError, match="block_tables"):
+        graphed.extend(*args[:6], batch.tables.long(), args[7])
+    assert graphed.stats.by_bucket == {"extend/8": 1, "rank/8": 1}
+    assert graphed.stats.eager_calls == 0
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_aoti_replayed_graphs_equal_eager_calls_on_cuda(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model_dir = tiny_model_dir(tmp_path / "m")
+    checkpoint = load_checkpoint(model_dir, "cuda")
+    eager = checkpoint.model
+    aoti = cuda_aoti_model(checkpoint)
+    cached = [0, 3, 7, 1, 10]
+    pool = make_batch(load_checkpoint(model_dir).model, cached, [1] * 5, seed=9).to("cuda")
+    config = GraphConfig(
+        max_blocks=eager.config.max_seq_len // 4 + 2, num_candidates=3, buckets=(1, 2, 8)
+    )
+    graphed = GraphedModel(aoti, pool.kv, pool.ts_pool, config)
+    graphed.warm_up()
+    assert graphed.stats.captures == 6 and graphed.stats.failed == []
+    gen = torch.Generator().manual_seed(0)
+    tail = (pool.kv, pool.ts_pool, pool.tables, pool.lens)
+    for new in ([1, 2, 1, 1, 1], [2, 1, 1, 1, 1], [1, 1, 1, 1, 1]):  # same bucket, new data
+        args = (*_new_tokens(eager.config, new, gen, "cuda"), *tail)
+        for got, want in zip(graphed.extend(*args), eager.extend(*args), strict=True):
+            assert rel_err(got, want) < 1e-4
+        cand = torch.randint(1, eager.config.num_items, (len(cached), 3), generator=gen).cuda()
+        rank_args = (cand, args[2][args[3][1:] - 1], *tail)
+        assert rel_err(graphed.rank(*rank_args), eager.rank(*rank_args)) < 1e-4
+    assert graphed.stats.replays == 6 and graphed.stats.eager_calls == 0
+    with pytest.raises(ModelError, match="invalid jagged batch"):
+        bad = torch.tensor([0, 2, 1, 3, 4, 6], device="cuda")
+        graphed.extend(*args[:3], bad, *tail)
+    assert graphed.stats.replays == 6

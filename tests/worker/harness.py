@@ -150,6 +150,9 @@ class Stream:
     records: list[tuple[str, bytes, bytes]] = field(default_factory=list)  # topic, key, value
     valid: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # user -> events
     malformed: dict[bytes, str] = field(default_factory=dict)  # value -> expected kind
+    # user -> (topic, event time) in produce order; times increase per user, so within
+    # each topic this is the order the worker must apply them in
+    ts: dict[str, list[tuple[str, int]]] = field(default_factory=lambda: defaultdict(list))
 
     @property
     def users(self) -> list[str]:
@@ -204,6 +207,7 @@ def make_stream(
             topic = topics.interaction
         stream.records.append((topic, user.encode(), encode_event(event)))
         stream.valid[user] += 1
+        stream.ts[user].append((topic, ts[user]))
     return stream
 
 
@@ -424,15 +428,30 @@ def assert_end_state(
     histories: Mapping[str, History],
     latest: Mapping[str, Recommendation],
     max_seq_len: int = 64,
+    order: Mapping[str, list[tuple[str, int]]] | None = None,
 ) -> None:
     """The worker issue's end-state check: every valid event applied exactly once (nothing
-    lost, no token duplicated), every user's last list covers all its events and equals
-    the offline recompute."""
+    lost, no token duplicated), in order when ``order`` gives each user's event times,
+    every user's last list covers all its events and equals the offline recompute."""
     for user, count in valid.items():
         assert histories[user].total_appended == count, (user, histories[user].total_appended)
         assert len(histories[user]) == min(count, max_seq_len), user
+        if order is not None:
+            assert_applied_in_order(histories[user].ts.tolist(), order[user])
     assert {u: r.version for u, r in latest.items()} == dict(valid)
     assert_matches_recompute(model_dir, config, {u: histories[u] for u in valid}, latest)
+
+
+def assert_applied_in_order(history_ts: list[int], produced: list[tuple[str, int]]) -> None:
+    """The stored window is the newest events, each exactly once, and each topic's events
+    in produce order: the worker merges a user's two partitions by event time only over
+    the events a batch holds together, so across batches the topics may interleave."""
+    kept = sorted(ts for _, ts in produced)[-len(history_ts) :] if history_ts else []
+    assert sorted(history_ts) == kept, "the window is not the newest events, once each"
+    position = {ts: n for n, ts in enumerate(history_ts)}
+    for topic in {t for t, _ in produced}:
+        mine = [position[ts] for t, ts in produced if t == topic and ts in position]
+        assert mine == sorted(mine), f"events of {topic} applied out of produce order"
 
 
 async def start_app(app: App, timeout_s: float = 60) -> asyncio.Task[int]:

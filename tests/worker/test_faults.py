@@ -127,7 +127,7 @@ async def test_absent_broker_then_up_on_the_same_port(
     letters = dead_letters(await read_topic(bootstrap, topics.dead_letter))
     assert letter_values(letters) == sorted(stream.malformed)
     latest = latest_recommendations(await read_topic(bootstrap, topics.output))
-    assert_end_state(model_dir, config, stream.valid, histories, latest)
+    assert_end_state(model_dir, config, stream.valid, histories, latest, order=stream.ts)
 
 
 async def test_broker_restart_mid_stream_applies_the_new_log_once(
@@ -153,6 +153,15 @@ async def test_broker_restart_mid_stream_applies_the_new_log_once(
         await wait_until(lambda: app_committed(first) == half, 120, "the old log committed")
 
         await own_broker.stop_async()  # memory storage: topics, records, offsets are gone
+        # While the broker is away the worker is alive but not ready.
+        port = first.http.port
+
+        async def unready() -> bool:
+            status, body = await http_get(port, "/readyz")
+            return status == 503 and b"broker unreachable" in body
+
+        await wait_until(unready, 30, "readiness to notice the broker is gone")
+        assert (await http_get(port, "/healthz"))[0] == 200
         await own_broker.start_async()  # same port, new cluster id
         create_topics(own_broker, topics)
         producer = asyncio.create_task(produce(bootstrap, stream.records[half:], rate=3_000))
@@ -172,7 +181,9 @@ async def test_broker_restart_mid_stream_applies_the_new_log_once(
         second.stop()
         assert await asyncio.wait_for(second_run, 30) == 0
         await assert_committed_all(bootstrap, group, topics, rest)
-        assert_end_state(model_dir, config, stream.valid, histories, published.latest)
+        assert_end_state(
+            model_dir, config, stream.valid, histories, published.latest, order=stream.ts
+        )
     finally:
         await store.delete(stream.users)
         await store.close()
@@ -187,6 +198,9 @@ async def test_redis_outage_stalls_commits_then_resumes(broker, unique_topic, mo
     redis = RedisServer(free_port()).start()
     try:
         config = worker_config(bootstrap, topics, group_id(), model_dir, redis.url("outage"))
+        # A short stall bound: the outage below lasts longer, and must not fail liveness.
+        http = dataclasses.replace(config.http, stall_timeout_s=1.5)
+        config = dataclasses.replace(config, http=http)
         stream = make_stream(topics, 4_000, 150, 0.0, seed=29)
         total = len(stream.records)
         store = open_history_store(config.store.url, 64)
@@ -205,6 +219,10 @@ async def test_redis_outage_stalls_commits_then_resumes(broker, unique_topic, mo
         assert during.consumed > frozen.consumed  # events kept arriving meanwhile
         assert app.engine is not None and app.engine.stats().store_retries > 0
         assert app_committed(app) < total
+        # Waiting out the outage is not a reason to restart the pod, nor to stop routing.
+        status, body = await http_get(app.http.port, "/healthz")
+        assert status == 200 and b"outage" in body
+        assert (await http_get(app.http.port, "/readyz"))[0] == 200
 
         redis.resume()
         await producer
@@ -217,7 +235,7 @@ async def test_redis_outage_stalls_commits_then_resumes(broker, unique_topic, mo
         redis.stop()
     await assert_committed_all(bootstrap, config.group.group_id, topics, total)
     latest = latest_recommendations(await read_topic(bootstrap, topics.output))
-    assert_end_state(model_dir, config, stream.valid, histories, latest)
+    assert_end_state(model_dir, config, stream.valid, histories, latest, order=stream.ts)
 
 
 async def test_tiny_kv_pool_evicts_and_keeps_up(broker, unique_topic, model_dir) -> None:
@@ -243,7 +261,7 @@ async def test_tiny_kv_pool_evicts_and_keeps_up(broker, unique_topic, model_dir)
     assert pool.evictions > 0 and pool.blocks_used <= 12
     await assert_committed_all(bootstrap, config.group.group_id, topics, total)
     latest = latest_recommendations(await read_topic(bootstrap, topics.output))
-    assert_end_state(model_dir, config, stream.valid, histories, latest)
+    assert_end_state(model_dir, config, stream.valid, histories, latest, order=stream.ts)
 
 
 @dataclasses.dataclass
@@ -308,7 +326,7 @@ async def test_malformed_flood_keeps_valid_throughput(broker, unique_topic, mode
         broker.bootstrap_servers, config.group.group_id, topics, len(stream.records)
     )
     latest = latest_recommendations(await read_topic(broker.bootstrap_servers, topics.output))
-    assert_end_state(model_dir, config, stream.valid, run.histories, latest)
+    assert_end_state(model_dir, config, stream.valid, run.histories, latest, order=stream.ts)
 
 
 def timestamp_stream(
@@ -372,7 +390,7 @@ async def test_out_of_order_and_far_future_timestamps(broker, unique_topic, mode
         assert "ts_ms " in letter.reason and "max_future_skew_ms=86400000" in letter.reason
         assert letter.topic in (topics.playback, topics.interaction)
         assert 0 <= letter.partition < PARTITIONS
-    # Accepted events are kept in arrival order, whatever their times.
+    # Accepted events are kept, whatever their times (per partition in offset order).
     for user, history in histories.items():
         arrived = [
             r for r in stream.records if r[1] == user.encode() and r[2] not in stream.malformed

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.errors import ModelError
 from streamrec.models.aoti_runtime import AOTIModel, open_aoti_model
 from streamrec.models.checkpoint import load_checkpoint
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.worker.config import ModelConfig
-from streamrec.worker.model_loader import export_config_for, load_model
+from streamrec.worker.model_loader import export_config_for, graphed_serving_model, load_model
 from tests.models.aoti_fixtures import CACHE_DIR, EXPORT, tiny_model_dir
 
 
@@ -29,12 +30,14 @@ def test_worker_and_tests_share_one_export_config() -> None:
 def test_serves_aoti_when_the_package_exists(model_dir: Path) -> None:
     # Compiled by the models tests earlier in the session (same deterministic model).
     open_aoti_model(model_dir, "cpu", CACHE_DIR, compile_if_missing=True, config=EXPORT)
+
     cfg = ModelConfig(
         model_dir=model_dir, aoti_cache_dir=CACHE_DIR, device="cpu", require_aoti=True
     )
     loaded = load_model(cfg)
     assert loaded.backend == "aoti"
     assert isinstance(loaded.model, AOTIModel)
+    assert loaded.model.weights is loaded.checkpoint.model  # one copy of the weights
     eager = load_checkpoint(model_dir).model
     user_emb = torch.nn.functional.normalize(torch.randn(2, eager.config.d_model), dim=-1)
     none = torch.full((2, 1), -1, dtype=torch.int64)
@@ -62,3 +65,10 @@ def test_require_aoti_without_a_package_is_a_start_up_error(
     )
     with pytest.raises(ModelError, match="require_aoti"):
         load_model(cfg)
+
+
+def test_graphs_apply_on_cuda_only(model_dir: Path, tmp_path: Path) -> None:
+    cfg = ModelConfig(model_dir=model_dir, aoti_cache_dir=tmp_path / "empty", device="cpu")
+    loaded = load_model(cfg)
+    cache = KVCache(KVCacheConfig(2, 2, 4, 4), 8, "cpu")
+    assert graphed_serving_model(loaded, cache, cfg, max_batch_users=4, num_candidates=3) is None

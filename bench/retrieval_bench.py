@@ -1,0 +1,158 @@
+"""Retrieval top-256 over 1M items x 512 (bf16) on the H200: mm + topk vs the fused op.
+
+Both run inside CUDA graphs (``graphed``: one replay per call), with 16 exclusions per
+user and the first 17 rows blocked (the model's padding and OOV rows), as
+``HSTU.retrieve`` does. Rows: ``op`` = ``retrieve`` with ``impl`` ``mm_topk`` or
+``fused`` (µs per call and per user, speedup against mm + topk, how many of the fused
+op's rows differ from topk's — ties at the k-th score — and the fused op's candidates per
+user), then ``retrieve_sweep`` rows: other tile shapes of the fused kernels at one batch.
+Target (issue 14): <= 3 µs per user at batch 256.
+
+    python -m bench.retrieval_bench [--batches 1 8 64 256] [--iters 30] [--out DIR]
+
+Writes bench/results/h200_retrieval.json (and DIR/h200_retrieval.json); about a minute
+(most of it compiling the kernels of each tile shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench._report import print_table, write_results
+from bench.h200_common import graphed, pct, time_ms
+from streamrec.models import retrieval
+
+NUM_ITEMS = 1_000_000
+DIM = 512
+K = 256
+NUM_EXCLUDED = 16
+FIRST = 17
+SWEEP = (  # block_b, block_v, block_k, warps, stages, programs per SM, flat (first: default)
+    (128, 128, 64, 8, 3, 2, False),
+    (128, 128, 64, 8, 3, 2, True),
+    (128, 128, 64, 8, 4, 1, False),
+    (64, 256, 64, 8, 3, 2, False),
+    (128, 256, 64, 8, 3, 1, False),
+    (64, 128, 64, 4, 4, 2, True),
+)
+
+
+def _inputs(table: torch.Tensor, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dev = table.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    users = F.normalize(torch.randn(batch, table.shape[1], device=dev, generator=gen), dim=-1)
+    exclude = torch.randint(0, table.shape[0], (batch, NUM_EXCLUDED), device=dev, generator=gen)
+    return users.to(table.dtype), exclude
+
+
+def _us(fn: Callable[[], Any], iters: int) -> float:
+    return pct(time_ms(graphed(fn), iters), 50) * 1000.0
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    return sum(len(set(x.tolist()) - set(y.tolist())) for x, y in zip(a, b))
+
+
+def batch_rows(
+    table: torch.Tensor, batch: int, iters: int
+) -> tuple[list[dict[str, object]], float]:
+    """The two rows of one batch size, and mm + topk's µs per call."""
+    users, exclude = _inputs(table, batch, seed=batch)
+    rows: list[dict[str, object]] = []
+    base = _us(lambda: retrieval.retrieve_reference(users, table, exclude, K, FIRST), iters)
+    rows.append(
+        {"op": "retrieve", "impl": "mm_topk", "batch": batch, "us": round(base, 1),
+         "us_per_user": round(base / batch, 2), "speedup_vs_mm_topk": 1.0}
+    )  # fmt: skip
+    try:
+        fused = _us(lambda: retrieval.fused_retrieve(users, table, exclude, K, FIRST), iters)
+        want = retrieval.retrieve_reference(users, table, exclude, K, FIRST)[1]
+        got = retrieval.fused_retrieve(users, table, exclude, K, FIRST)[1]
+        counts = retrieval.launch_retrieval(users, table, exclude, K, FIRST)[2].sum(1)
+        rows.append(
+            {"op": "retrieve", "impl": "fused", "batch": batch, "us": round(fused, 1),
+             "us_per_user": round(fused / batch, 2),
+             "speedup_vs_mm_topk": round(base / fused, 2), "rows_differ": _differ(got, want),
+             "candidates_per_user": round(float(counts.float().mean()), 0)}
+        )  # fmt: skip
+    except Exception:  # report and go on: the baseline rows still count
+        traceback.print_exc()
+    return rows, base
+
+
+def sweep_rows(
+    table: torch.Tensor, batch: int, iters: int, base_us: float
+) -> list[dict[str, object]]:
+    users, exclude = _inputs(table, batch, seed=batch)
+    rows: list[dict[str, object]] = []
+    for bb, bv, bk, warps, stages, per_sm, flat in SWEEP:
+        cfg = retrieval.LaunchConfig(bb, bv, bk, warps, stages, per_sm, flat)
+        try:
+            run = partial(retrieval.launch_retrieval, users, table, exclude, K, FIRST, cfg)
+            us = _us(run, iters)
+        except Exception:
+            traceback.print_exc()
+            continue
+        rows.append(
+            {"op": "retrieve_sweep", "impl": "fused", "batch": batch, "us": round(us, 1),
+             "us_per_user": round(us / batch, 2), "speedup_vs_mm_topk": round(base_us / us, 2),
+             "config": f"B{bb} V{bv} K{bk} w{warps} s{stages} p{per_sm}{' flat' * flat}"}
+        )  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--sweep-batch", type=int, default=256, help="0: no tile sweep")
+    parser.add_argument("--out", default=None, help="also write the JSON into this directory")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    table = F.normalize(torch.randn(NUM_ITEMS, DIM, device="cuda", generator=gen), dim=-1)
+    table = table.bfloat16()
+    rows: list[dict[str, object]] = []
+    with torch.no_grad():
+        base: dict[int, float] = {}
+        for batch in args.batches:
+            batch_out, base[batch] = batch_rows(table, batch, args.iters)
+            rows += batch_out
+            print_table(batch_out)
+        if args.sweep_batch:
+            sweep_base = base.get(args.sweep_batch, float("nan"))
+            rows += sweep_rows(table, args.sweep_batch, args.iters, sweep_base)
+    meta: dict[str, object] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "shape": {"items": NUM_ITEMS, "dim": DIM, "k": K, "excluded": NUM_EXCLUDED},
+        "dtype": "bfloat16",
+        "launch": {
+            "default": {
+                b: str(retrieval.default_config(b, torch.bfloat16, DIM)) for b in args.batches
+            },
+            "sample_every": retrieval.SAMPLE_EVERY,
+            "merge_window": retrieval.MERGE_WINDOW,
+        },
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    path = write_results("h200_retrieval", rows, meta)
+    if args.out:
+        write_results("h200_retrieval", rows, meta, Path(args.out))
+    print(f"wrote {path}")
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,337 @@
+# mypy: disable-error-code="no-untyped-def"
+# (Triton reads the annotations of @jit kernels, so their parameters stay unannotated.)
+"""Fused paged SiLU attention of ranking candidates (``rank``): two kernels, one custom op.
+
+All C candidates of user b sit at position cached_lens[b] with timestamp query_ts[b], so
+the relative bias depends on the key only: ``_key_bias_kernel`` writes it once per
+(user, head, key) — the bucket of each key computed once for all heads — and the
+candidate kernel reads one fp32 row per key tile instead of computing it per tile
+(issue 14: computing the time bucket inside the key loop cost more ALU work than the two
+GEMMs of the tile). A tile of one user's candidates then shares every loaded K/V tile
+through ``tl.dot``; the candidate's own key (relative position 0, dt 0) is added by the
+program of the first key range, so ``rank`` needs no separate self-attention term.
+
+Key ranges and their combination work as in ``paged_attention.py`` (the shared helpers
+live there): a partial per range in a workspace, the last range stores the sum in the
+input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from streamrec.models.attention import self_attention_term
+from streamrec.models.paged_attention import (
+    check_inputs,
+    fast_silu_allowed,
+    head_rows,
+    next_pow2,
+    num_splits,
+    paged_silu_attention_reference,
+    split_buffers,
+)
+
+try:  # Triton ships with CUDA builds of torch only.
+    import triton
+    import triton.language as tl
+
+    from streamrec.models.paged_attention import (
+        finish_tile,
+        silu_over_n,
+        tile_blocks,
+        tile_kv,
+    )
+except ImportError:  # pragma: no cover - exercised on the CPU CI machine
+    triton = None
+    tl = None
+
+OP_CANDIDATES = "streamrec::paged_silu_attention_candidates"
+# Launch shape (bench/h200_bench.py sweeps it): BLOCK_M candidates x BLOCK_N keys per
+# tile; no key split until fewer than CAND_TARGET_PROGRAMS programs would run.
+CAND_TARGET_PROGRAMS = 256
+CAND_BLOCK_M = 128
+CAND_BLOCK_N = 64
+CAND_WARPS = 8
+CAND_STAGES = 2
+KEY_BIAS_BLOCK = 256
+
+
+def candidate_attention_reference(
+    q: torch.Tensor,
+    k_self: torch.Tensor,
+    v_self: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_ts: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    ts_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    cached_lens: torch.Tensor,
+    pos_bias: torch.Tensor,
+    time_bias: torch.Tensor,
+    edges: torch.Tensor,
+    divisor: int,
+) -> torch.Tensor:
+    """The op's math in plain torch: q, k_self, v_self [B, C, H, d]; q_pos, q_ts [B]."""
+    num_users, num_cands = q.shape[:2]
+    users = torch.arange(num_users, device=q.device).repeat_interleave(num_cands)  # [B*C]
+    cached = paged_silu_attention_reference(
+        q.reshape(-1, *q.shape[2:]), q_pos[users], q_ts[users], users, None, None, None,
+        k_cache, v_cache, ts_pool, block_tables, cached_lens, pos_bias, time_bias, edges,
+        divisor,
+    )  # fmt: skip
+    own = self_attention_term(q, k_self, v_self, pos_bias[0] + time_bias[0], divisor)
+    return cached.view_as(q) + own
+
+
+if triton is not None:
+
+    @triton.jit
+    def _key_bias_kernel(
+        q_pos_ptr,  # [B]
+        q_ts_ptr,  # [B]
+        ts_pool_ptr,  # [NB, BS]
+        tables_ptr,  # [B, MB]
+        lens_ptr,  # [B]
+        pos_bias_ptr,  # [NUM_POS, H]
+        time_bias_ptr,  # [NUM_TIME, H]
+        edges_ptr,  # [NUM_TIME - 1]
+        bias_ptr,  # [B, H, S] fp32 out
+        max_blocks,
+        block_size,
+        span,
+        H: tl.constexpr,
+        NUM_POS: tl.constexpr,
+        NUM_TIME: tl.constexpr,
+        NT_P2: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """rab of user b's query position/timestamp against BLOCK of its keys, all heads
+        (0 past the user's length)."""
+        b = tl.program_id(0).to(tl.int64)
+        keys = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+        kmask = keys < tl.load(lens_ptr + b)
+        blk = tl.load(tables_ptr + b * max_blocks + keys // block_size, mask=kmask, other=0)
+        slot = blk.to(tl.int64) * block_size + keys % block_size
+        dt = tl.load(q_ts_ptr + b) - tl.load(ts_pool_ptr + slot, mask=kmask, other=0)
+        dt = tl.where(dt < 0, -dt, dt)
+        e = tl.arange(0, NT_P2)
+        edges = tl.load(edges_ptr + e, mask=e < NUM_TIME - 1, other=9223372036854775807)
+        bucket = tl.sum((dt[:, None] >= edges[None, :]).to(tl.int32), 1)  # [BLOCK]
+        rel = tl.load(q_pos_ptr + b).to(tl.int32) - keys
+        rel = tl.minimum(tl.maximum(rel, 0), NUM_POS - 1)
+        for h in tl.static_range(H):
+            p = tl.load(pos_bias_ptr + rel * H + h, mask=kmask, other=0.0).to(tl.float32)
+            t = tl.load(time_bias_ptr + bucket * H + h, mask=kmask, other=0.0).to(tl.float32)
+            tl.store(bias_ptr + (b * H + h) * span + keys, p + t, mask=keys < span)
+
+    @triton.jit
+    def _candidate_kernel(
+        q_ptr,  # [B, C, H, D], strides stride_qb, stride_qc
+        ks_ptr,  # [B, C, H, D] the candidates' own keys, strides stride_sb, stride_sc
+        vs_ptr,  # [B, C, H, D] and values
+        kbias_ptr,  # [B, H, S] fp32: rab of each user's candidates against each key
+        k_ptr,  # [NB, BS, H, D] (one layer of the pool)
+        v_ptr,
+        tables_ptr,  # [B, MB]
+        lens_ptr,  # [B]
+        pos_bias_ptr,  # [NUM_POS, H]: bias0 = pos_bias[0] + time_bias[0]
+        time_bias_ptr,  # [NUM_TIME, H]
+        out_ptr,  # [B, C, H, D] in q's dtype
+        ws_ptr,  # [splits, B, C, H, D] fp32 partials (when splits > 1)
+        ticket_ptr,  # [B * m_tiles, H] int32, zeroed (when splits > 1)
+        num_cands,
+        m_tiles,
+        max_blocks,
+        block_size,
+        span,
+        keys_per_split,
+        stride_qb,
+        stride_qc,
+        stride_sb,
+        stride_sc,
+        stride_kv_block,
+        stride_kv_slot,
+        ws_stride,
+        scale,
+        inv_divisor,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        FAST: tl.constexpr,
+    ):
+        """A tile of one user's candidates x one head x one key range, on tensor cores."""
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        split = tl.program_id(2)
+        num_splits = tl.num_programs(2)
+        user = (pid // m_tiles).to(tl.int64)
+        tile = pid % m_tiles
+        n_keys = tl.load(lens_ptr + user).to(tl.int32)
+        k_start = split * keys_per_split
+        k_end = tl.minimum(n_keys, k_start + keys_per_split)
+        offs_d = tl.arange(0, D)
+        cand = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+        cmask = cand < num_cands
+        q_rows = user * stride_qb + cand * stride_qc + h * D  # [BM]
+        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=cmask[:, None], other=0.0)
+        table_row = tables_ptr + user * max_blocks
+        bias_row = kbias_ptr + (user * H + h) * span
+        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        for start in range(k_start, k_end, BLOCK_N):
+            blk = tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
+            k, v = tile_kv(start, k_end, blk, block_size, h, k_ptr, v_ptr, stride_kv_block,
+                           stride_kv_slot, D, BLOCK_N)  # fmt: skip
+            keys = start + tl.arange(0, BLOCK_N)  # [BN]
+            bias = tl.load(bias_row + keys, mask=keys < k_end, other=0.0)  # [BN] fp32
+            if IEEE:  # noqa: SIM108 (Triton resolves a constexpr if, not a ternary)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = (s * scale).to(tl.float32) + bias[None, :]  # [BM, BN]
+            w = silu_over_n(s, inv_divisor, FAST)  # masked keys: V rows are zero
+            if IEEE:
+                acc += tl.dot(w, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(w.to(v.dtype), v)
+        if split == 0:  # the candidate's own key: relative position 0, dt 0
+            s_rows = user * stride_sb + cand * stride_sc + h * D  # [BM]
+            offs = s_rows[:, None] + offs_d[None, :]
+            k_own = tl.load(ks_ptr + offs, mask=cmask[:, None], other=0.0).to(tl.float32)
+            v_own = tl.load(vs_ptr + offs, mask=cmask[:, None], other=0.0).to(tl.float32)
+            bias0 = tl.load(pos_bias_ptr + h).to(tl.float32) + tl.load(time_bias_ptr + h).to(
+                tl.float32
+            )
+            s_own = (tl.sum(q.to(tl.float32) * k_own, 1) * scale).to(tl.float32) + bias0
+            acc += silu_over_n(s_own, inv_divisor, FAST)[:, None] * v_own
+        out_rows = ((user * num_cands + cand) * H + h) * D  # [BM]
+        finish_tile(acc, out_rows[:, None] + offs_d[None, :], cmask[:, None], out_ptr, ws_ptr,
+                    ticket_ptr + pid * H + h, split, num_splits, ws_stride)  # fmt: skip
+
+    def launch_key_bias(
+        q_pos: torch.Tensor,
+        q_ts: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+        pos_bias: torch.Tensor,
+        time_bias: torch.Tensor,
+        edges: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
+        """rab of each user's candidates against each of its keys: fp32 [B, H, S]."""
+        num_users, max_blocks = block_tables.shape
+        block_size = ts_pool.shape[1]
+        span = max_blocks * block_size
+        bias = torch.empty(num_users, num_heads, span, dtype=torch.float32, device=q_ts.device)
+        grid = (num_users, (span + KEY_BIAS_BLOCK - 1) // KEY_BIAS_BLOCK)
+        torch.library.wrap_triton(_key_bias_kernel)[grid](
+            q_pos, q_ts, ts_pool, block_tables, cached_lens, pos_bias, time_bias, edges, bias,
+            max_blocks, block_size, span, H=num_heads, NUM_POS=pos_bias.shape[0],
+            NUM_TIME=time_bias.shape[0], NT_P2=next_pow2(max(2, time_bias.shape[0] - 1)),
+            BLOCK=KEY_BIAS_BLOCK, num_warps=4,
+        )  # fmt: skip
+        return bias
+
+    def launch_candidates(
+        q: torch.Tensor,
+        k_self: torch.Tensor,
+        v_self: torch.Tensor,
+        q_pos: torch.Tensor,
+        q_ts: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+        pos_bias: torch.Tensor,
+        time_bias: torch.Tensor,
+        edges: torch.Tensor,
+        divisor: int,
+        block_m: int = CAND_BLOCK_M,
+        block_n: int = CAND_BLOCK_N,
+        num_warps: int = CAND_WARPS,
+        num_stages: int = CAND_STAGES,
+        target_programs: int = CAND_TARGET_PROGRAMS,
+        fast: bool = True,
+    ) -> torch.Tensor:
+        """Both kernels with an explicit launch shape over q [B, C, H, d] (the op uses the
+        defaults; bench/h200_bench.py sweeps them). Returns [B, C, H, d] in q's dtype."""
+        q, k_self, v_self = head_rows(q), head_rows(k_self), head_rows(v_self)
+        num_users, num_cands, num_heads, head_dim = q.shape
+        block_size = ts_pool.shape[1]
+        max_blocks = block_tables.shape[1]
+        span = max_blocks * block_size
+        kbias = launch_key_bias(
+            q_pos, q_ts, ts_pool, block_tables, cached_lens, pos_bias, time_bias, edges,
+            num_heads,
+        )  # fmt: skip
+        m_tiles = (num_cands + block_m - 1) // block_m
+        tiles = num_users * m_tiles
+        splits = num_splits(tiles * num_heads, span, block_n, target_programs)
+        per_split = (span + splits - 1) // splits
+        per_split = (per_split + block_n - 1) // block_n * block_n
+        outputs = num_users * num_cands * num_heads * head_dim
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        ws, tickets = split_buffers(splits, outputs, tiles * num_heads, q.device)
+        torch.library.wrap_triton(_candidate_kernel)[(tiles, num_heads, splits)](
+            q, k_self, v_self, kbias, k_cache, v_cache, block_tables, cached_lens, pos_bias,
+            time_bias, out, ws, tickets, num_cands, m_tiles, max_blocks, block_size, span,
+            per_split, q.stride(0), q.stride(1), k_self.stride(0), k_self.stride(1),
+            k_cache.stride(0), k_cache.stride(1), outputs, 1.0 / math.sqrt(head_dim),
+            1.0 / divisor, H=num_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+            IEEE=q.dtype == torch.float32, FAST=fast_silu_allowed(fast, q),
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+        return out
+
+    @torch.library.triton_op(OP_CANDIDATES, mutates_args={})
+    def paged_silu_attention_candidates(
+        q: torch.Tensor,
+        k_self: torch.Tensor,
+        v_self: torch.Tensor,
+        q_pos: torch.Tensor,
+        q_ts: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+        pos_bias: torch.Tensor,
+        time_bias: torch.Tensor,
+        edges: torch.Tensor,
+        divisor: int,
+    ) -> torch.Tensor:
+        """C candidates per user (q [B, C, H, d]) against the cache and themselves."""
+        return launch_candidates(
+            q, k_self, v_self, q_pos, q_ts, k_cache, v_cache, ts_pool, block_tables,
+            cached_lens, pos_bias, time_bias, edges, divisor,
+        )  # fmt: skip
+
+
+def fused_candidate_attention(
+    q: torch.Tensor,
+    k_self: torch.Tensor,
+    v_self: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_ts: torch.Tensor,
+    kv_layer: torch.Tensor,
+    ts_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    cached_lens: torch.Tensor,
+    pos_bias: torch.Tensor,
+    time_bias: torch.Tensor,
+    edges: torch.Tensor,
+    divisor: int,
+) -> torch.Tensor:
+    """Candidates q, k_self, v_self [B, C, H, d], C per user at one position/timestamp
+    per user, against ``kv_layer [2, NB, BS, H, d]`` and each its own key."""
+    check_inputs(q, kv_layer[0])
+    return torch.ops.streamrec.paged_silu_attention_candidates(
+        q, k_self, v_self, q_pos, q_ts, kv_layer[0], kv_layer[1], ts_pool, block_tables,
+        cached_lens, pos_bias, time_bias, edges, divisor,
+    )  # fmt: skip

@@ -1,0 +1,588 @@
+# mypy: disable-error-code="no-untyped-def"
+# (Triton reads the annotations of @jit kernels, so their parameters stay unannotated.)
+"""The Triton kernels of the fused jagged prefill (``prefill_attention`` registers the ops).
+
+Biases, computed in the kernels, exactly (2 x the tables' halves is the reference's sum):
+
+- relative position: one gather ``pos_bias[i - j, h]`` from a per-head row padded with
+  zeros, so tiles index it without a clamp (the row stays in L1);
+- time: ``bucketize(|ts_i - ts_j|, edges)`` with integer edges. Timestamps go to fp64
+  (exact below 2^53 ms). A per-call table holds the min and max timestamp of every
+  BLOCK_N keys of every user, so each tile knows which buckets its |dt| can reach: most
+  tiles hit one bucket (a scalar add), the others cost one fp64 compare and select per
+  edge inside the range. A bucket of one value reads a cell table: the exponent and two
+  mantissa bits of |dt| name a quarter-octave cell holding at most one edge.
+
+Programs are laid out jagged: user b's query tiles occupy program ids
+``offsets[b] // BLOCK_M + b + (0 … tiles_b - 1)`` (disjoint for consecutive users, at most
+one idle id per user), so the grid depends on the shapes only (``T // BLOCK_M + B + 1``)
+and the ops export. Each user's heaviest (last) tile runs first. Tiles address a user's
+rows with int32 offsets from the user's first row.
+
+Candidates (the rank rule of a full recompute) share one bias row per key; small batches
+are cut along the keys (fp32 atomics: SiLU attention has no softmax, partial sums add).
+The launch shapes were chosen offline (``bench/kernel_resources.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from streamrec.errors import ModelError
+from streamrec.models.paged_attention import fast_silu_allowed
+
+try:  # Triton ships with CUDA builds of torch only.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on the CPU CI machine
+    triton = None
+    tl = None
+
+# Cells of |dt|: fp64 exponent (0 … 63 above 1 ms) x 4 quarter octaves.
+NUM_CELLS = 256
+# Zeros either side of each head's pos-bias row: the prefill tiles index it by i - j with
+# no clamp (diagonal tiles reach j - i < BLOCK_N, padding rows i < len + BLOCK_M).
+POS_PAD = 128
+# Launch shapes (bench/h200_bench.py sweeps them; BENCHMARKS.md has the H200 figures).
+# Chosen offline (ptxas for sm_90a, no GPU at hand): BLOCK_N = 32 keeps the score tile and
+# the bias in registers (BLOCK_N = 64 spills inside the key loop at 255 registers), and
+# 64 x 32 x 4 warps (58-66 KB of shared memory, 255 registers) lets two CTAs share an SM,
+# so one waits at a barrier while the other computes.
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 32
+PREFILL_WARPS = 4
+PREFILL_STAGES = 2
+# (BLOCK_M, BLOCK_N, warps, stages) the kernel sweep times; the defaults above come first.
+PREFILL_LAUNCHES = (
+    (PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES),
+    (128, 32, 8, 2),
+    (64, 32, 4, 3),
+    (128, 32, 8, 3),
+    (128, 16, 8, 3),
+    (64, 64, 4, 2),
+    (128, 64, 8, 2),
+)
+# fp32 inputs (IEEE fp32 dots on CUDA cores, for exactness tests): tiles that fit in
+# shared memory at head_dim 128.
+FP32_LAUNCH = (64, 32, 4, 2)
+CAND_BLOCK_M = 128
+CAND_BLOCK_N = 32
+CAND_WARPS = 8
+CAND_STAGES = 2
+CAND_TARGET_PROGRAMS = 512
+CAND_LAUNCH = (CAND_BLOCK_M, CAND_BLOCK_N, CAND_WARPS, CAND_STAGES)
+# Users whose tile origins one program scans per step when it looks up its own user.
+USER_CHUNK = 256
+
+
+def triton_available() -> bool:
+    """True when the kernels (and the ops) exist: Triton imported."""
+    return triton is not None
+
+
+def _check_offsets(max_len: int, *rows: torch.Tensor) -> None:
+    """Tiles address a user's rows with int32 offsets from the user's first row."""
+    stride = max(x.stride(0) for x in rows)
+    if (max_len + POS_PAD) * stride >= 2**31:
+        raise ModelError(f"max_seq_len={max_len} x row stride {stride} overflows int32 offsets")
+
+
+def _heads_strided(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last two axes are dense [H, d] (the projection's views are),
+    else a contiguous copy: the kernels take the other strides as arguments."""
+    if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+        return x
+    return x.contiguous()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _silu_half(x, FAST: tl.constexpr):
+        """silu(2x) in fp32, from half the pre-activation (the tables hold rab / 2): with
+        FAST one tanh.approx, silu(2x) = x + x·tanh(x), whose 2^-11 relative error is below
+        the bf16 rounding of the weights that follows; else the exact x·2·sigmoid(2x)."""
+        if FAST:
+            t = tl.inline_asm_elementwise(
+                "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+            )
+            return x + x * t
+        else:
+            return (2.0 * x * tl.sigmoid(2.0 * x)).to(tl.float32)
+
+    @triton.jit
+    def _scores(q, k, IEEE: tl.constexpr):
+        """q [M, D] · k [N, D]ᵀ in fp32 (IEEE fp32 products for fp32 inputs, no TF32)."""
+        if IEEE:
+            return tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            return tl.dot(q, tl.trans(k))
+
+    @triton.jit
+    def _accumulate(acc, w, v, IEEE: tl.constexpr):
+        """acc + w [M, N] (fp32) · v [N, D]; low-precision v: w rounded to v's dtype once."""
+        if IEEE:
+            return acc + tl.dot(w, v.to(tl.float32), input_precision="ieee")
+        else:
+            return acc + tl.dot(w.to(v.dtype), v)
+
+    @triton.jit
+    def _bucket(x, cell_edge_ptr, cell_base_ptr, NUM_CELLS: tl.constexpr):
+        """bucketize(x, edges, right=True) for x >= 0, fp64 (an exact integer of ms), any
+        shape. The cell of x is read from its fp64 bits (exponent and two mantissa bits: no
+        rounding); the cell holds at most one edge, so the bucket is the cell's base plus
+        one compare with that edge."""
+        bits = x.to(tl.int64, bitcast=True)
+        cell = ((bits >> 50) & 0x1FFF).to(tl.int32) - 4092  # 4092 = 1023 (exponent bias) * 4
+        cell = tl.minimum(tl.maximum(cell, 0), NUM_CELLS - 1)
+        above = x >= tl.load(cell_edge_ptr + cell)  # the edge is huge in a cell without one
+        return tl.load(cell_base_ptr + cell) + above.to(tl.int32)
+
+    @triton.jit
+    def _min_max(lo_a, hi_a, lo_b, hi_b):
+        return tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b)
+
+    @triton.jit
+    def _add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
+                       cell_edge_ptr, cell_base_ptr, NUM_CELLS: tl.constexpr):  # fmt: skip
+        """bias [BM, BN] + time_bias[bucket(|ts_i - ts_j|)] / 2 of one head, exactly.
+
+        The tile's |dt| lie in [near, far] (from the query and key timestamp ranges, or
+        any ranges that hold them), so its buckets lie in [b_lo, b_hi]: one bucket for most
+        tiles (a scalar add), else one fp64 compare and select per edge inside the range.
+        No gathers.
+        """
+        near = tl.maximum(tl.maximum(q_lo - k_hi, k_lo - q_hi), 0.0)
+        far = tl.maximum(q_hi - k_lo, k_hi - q_lo)
+        b_lo = _bucket(near, cell_edge_ptr, cell_base_ptr, NUM_CELLS)
+        b_hi = _bucket(far, cell_edge_ptr, cell_base_ptr, NUM_CELLS)
+        t_lo = tl.load(tb_row + b_lo)
+        if b_lo < b_hi:
+            adt = tl.abs(ts_q[:, None] - ts_k[None, :])  # [BM, BN] fp64, exact
+            t = tl.zeros(bias.shape, dtype=tl.float32) + t_lo
+            for b in range(b_lo + 1, b_hi + 1):  # bucket >= b iff |dt| >= edges[b - 1]
+                edge = tl.load(edges_ptr + b - 1).to(tl.float64)
+                t = tl.where(adt >= edge, tl.load(tb_row + b), t)
+            bias = bias + t
+        else:
+            bias = bias + t_lo
+        return bias
+
+    @triton.jit
+    def _key_rab(rel, dt, pos_row, tb_row, cell_edge_ptr, cell_base_ptr, NUM_POS: tl.constexpr,
+                 NUM_CELLS: tl.constexpr):  # fmt: skip
+        """rab / 2 of one head per key (the candidates' bias row): two small gathers."""
+        rel = tl.minimum(tl.maximum(rel, 0), NUM_POS - 1)
+        bucket = _bucket(tl.abs(dt), cell_edge_ptr, cell_base_ptr, NUM_CELLS)
+        return tl.load(pos_row + rel) + tl.load(tb_row + bucket)
+
+    @triton.jit
+    def _bias_table_kernel(
+        pos_bias_ptr,  # [NUM_POS, H]
+        edges_ptr,  # [NUM_TIME - 1] int64
+        time_bias_ptr,  # [NUM_TIME, H]
+        pos_out_ptr,  # [H, POS_PAD + NUM_POS + POS_PAD] fp32: pos_bias / 2, transposed
+        tb_out_ptr,  # [H, NUM_TIME] fp32: time_bias / 2, transposed
+        cell_edge_ptr,  # [NUM_CELLS] fp64: the edge inside each cell (huge if none)
+        cell_base_ptr,  # [NUM_CELLS] int32: the buckets below each cell
+        H: tl.constexpr,
+        NUM_POS: tl.constexpr,
+        NUM_TIME: tl.constexpr,
+        NT_P2: tl.constexpr,
+        NUM_CELLS: tl.constexpr,
+        POS_PAD: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):
+        """One head's rows (and, head 0, the cells c = 4o + f: [2^o(1 + f/4), 2^o(1 + (f+1)/4)).
+        Halving is exact, so twice the sum of two halves is the reference's fp32 sum."""
+        h = tl.program_id(0)
+        width = NUM_POS + 2 * POS_PAD
+        for p0 in range(0, width, CHUNK):
+            p = p0 + tl.arange(0, CHUNK)  # index in the padded row; position p - POS_PAD
+            inside = (p >= POS_PAD) & (p < NUM_POS + POS_PAD)
+            row = tl.load(pos_bias_ptr + (p - POS_PAD) * H + h, mask=inside, other=0.0)
+            tl.store(pos_out_ptr + h * width + p, row.to(tl.float32) * 0.5, mask=p < width)
+        t = tl.arange(0, NT_P2)
+        tmask = t < NUM_TIME
+        row = tl.load(time_bias_ptr + t * H + h, mask=tmask, other=0.0).to(tl.float32)
+        tl.store(tb_out_ptr + h * NUM_TIME + t, row * 0.5, mask=tmask)
+        c = tl.arange(0, NUM_CELLS)
+        octave = (c // 4).to(tl.int64)
+        pow2 = ((octave + 1023) << 52).to(tl.float64, bitcast=True)  # 2^octave, exact
+        lower = pow2 * (1.0 + (c % 4).to(tl.float64) * 0.25)  # [NC], exact
+        emask = t < NUM_TIME - 1
+        edges = tl.load(edges_ptr + t, mask=emask, other=0).to(tl.float64)  # exact < 2^53
+        below = (edges[None, :] < lower[:, None]) & emask[None, :]  # [NC, NT_P2]
+        base = tl.sum(below.to(tl.int32), 1)  # [NC] buckets entirely below the cell
+        has_edge = base < NUM_TIME - 1
+        edge = tl.load(edges_ptr + base, mask=has_edge, other=0).to(tl.float64)
+        first = (c >= 0) & (h == 0)
+        tl.store(cell_edge_ptr + c, tl.where(has_edge, edge, 1e300), mask=first)
+        tl.store(cell_base_ptr + c, base, mask=first)
+
+    @triton.jit
+    def _ts_range_kernel(
+        ts_ptr,  # [T] int64
+        offsets_ptr,  # [B + 1] int64
+        range_ptr,  # [T // CHUNK + B + 1, 2] fp64
+        CHUNK: tl.constexpr,
+        CHUNKS: tl.constexpr,
+    ):
+        """Min and max timestamp of every CHUNK tokens of user b (program b) from its start,
+        at row offsets[b] // CHUNK + b + j (disjoint per user, as the prefill tiles)."""
+        user = tl.program_id(0)
+        start = tl.load(offsets_ptr + user)
+        n = (tl.load(offsets_ptr + user + 1) - start).to(tl.int32)
+        base = start // CHUNK + user
+        for j0 in range(0, n, CHUNK * CHUNKS):
+            j = j0 // CHUNK + tl.arange(0, CHUNKS)  # [CHUNKS] chunk ids in the user
+            pos = j[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # [CHUNKS, CHUNK]
+            inside = pos < n
+            t = tl.load(ts_ptr + start + pos, mask=inside, other=0).to(tl.float64)
+            lo = tl.min(tl.where(inside, t, 1e300), 1)
+            hi = tl.max(tl.where(inside, t, -1e300), 1)
+            row = range_ptr + (base + j) * 2
+            tl.store(row, lo, mask=j * CHUNK < n)
+            tl.store(row + 1, hi, mask=j * CHUNK < n)
+
+    @triton.jit
+    def _ts_range(range_row, first, count, n, CHUNK: tl.constexpr):
+        """Min and max timestamp over chunks first … first+count-1 of a user (``_ts_range_kernel``
+        rows from ``range_row``); chunks at or past the user's end are skipped."""
+        lo = tl.load(range_row + first * 2)
+        hi = tl.load(range_row + first * 2 + 1)
+        for i in tl.static_range(1, count):
+            inside = (first + i) * CHUNK < n
+            lo = tl.minimum(lo, tl.load(range_row + (first + i) * 2, mask=inside, other=1e300))
+            hi = tl.maximum(hi, tl.load(range_row + (first + i) * 2 + 1, mask=inside,
+                                        other=-1e300))  # fmt: skip
+        return lo, hi
+
+    @triton.jit
+    def _key_tile(k_base, v_base, ts_base, cols, end, stride_k, stride_v, D: tl.constexpr,
+                  MASKED: tl.constexpr):  # fmt: skip
+        """K, V [BN, D] and fp64 timestamps [BN] of one user's keys ``cols`` (int32 offsets
+        from the user's head row); with MASKED, keys at or past ``end`` read as zeros (a
+        zero V row adds nothing)."""
+        kv = cols[:, None] * stride_k + tl.arange(0, D)[None, :]
+        vv = cols[:, None] * stride_v + tl.arange(0, D)[None, :]
+        if MASKED:
+            kmask = cols < end
+            k = tl.load(k_base + kv, mask=kmask[:, None], other=0.0)
+            v = tl.load(v_base + vv, mask=kmask[:, None], other=0.0)
+            ts_k = tl.load(ts_base + cols, mask=kmask, other=0).to(tl.float64)
+        else:
+            k = tl.load(k_base + kv)
+            v = tl.load(v_base + vv)
+            ts_k = tl.load(ts_base + cols).to(tl.float64)
+        return k, v, ts_k
+
+    @triton.jit
+    def _prefill_tile(
+        acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row, pos_row,
+        tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v, half_scale,
+        D: tl.constexpr, NUM_CELLS: tl.constexpr, BLOCK_N: tl.constexpr,
+        DIAGONAL: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
+    ):  # fmt: skip
+        """acc + Σ_j silu(q·k_j/√d + rab) v_j over keys n0 … n0+BLOCK_N-1 (times N)."""
+        cols = n0 + tl.arange(0, BLOCK_N)  # [BN] positions in the user
+        # (diagonal tiles: keys past the user's end read as zeros and are masked below)
+        k, v, ts_k = _key_tile(k_base, v_base, ts_base, cols, n, stride_k, stride_v, D,
+                               DIAGONAL)  # fmt: skip
+        s = _scores(q, k, IEEE)  # [BM, BN] fp32
+        # i - j needs no clamp: the padded row covers the diagonal and the padding rows
+        bias = tl.load(pos_row + (rows[:, None] - n0) - tl.arange(0, BLOCK_N)[None, :])
+        k_lo, k_hi = _ts_range(range_row, n0 // BLOCK_N, 1, n, BLOCK_N)
+        bias = _add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
+                              cell_edge_ptr, cell_base_ptr, NUM_CELLS)  # fmt: skip
+        w = _silu_half((s * half_scale).to(tl.float32) + bias, FAST)
+        if DIAGONAL:
+            w = tl.where(cols[None, :] <= rows[:, None], w, 0.0)
+        return _accumulate(acc, w, v, IEEE)
+
+    @triton.jit
+    def _prefill_kernel(
+        q_ptr,  # [T, H, D], rows stride_q apart
+        k_ptr,  # [T, H, D]
+        v_ptr,  # [T, H, D]
+        ts_ptr,  # [T] int64
+        offsets_ptr,  # [B + 1] int64
+        range_ptr,  # [T // BLOCK_N + B + 1, 2] fp64 (``_ts_range_kernel``, CHUNK = BLOCK_N)
+        pos_ptr,  # [H, POS_PAD + NUM_POS + POS_PAD] fp32 (``bias_tables``, as the next three)
+        tb_ptr,  # [H, NUM_TIME] fp32
+        cell_edge_ptr,  # [NUM_CELLS] fp64
+        cell_base_ptr,  # [NUM_CELLS] int32
+        edges_ptr,  # [NUM_TIME - 1] int64
+        out_ptr,  # [T, H, D] contiguous
+        num_users,
+        stride_q,
+        stride_k,
+        stride_v,
+        half_scale,
+        inv_divisor,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        NUM_POS: tl.constexpr,
+        NUM_TIME: tl.constexpr,
+        NUM_CELLS: tl.constexpr,
+        POS_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        USER_CHUNK: tl.constexpr,
+        IEEE: tl.constexpr,
+        FAST: tl.constexpr,
+    ):
+        """One query tile of one user x one head, causal over that user's keys."""
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        # The user of this program: the last b whose first tile id offsets[b]//BM + b <= pid.
+        count = 0
+        for c0 in range(0, num_users, USER_CHUNK):
+            b = c0 + tl.arange(0, USER_CHUNK)
+            bmask = b < num_users
+            first = tl.load(offsets_ptr + b, mask=bmask, other=0) // BLOCK_M + b
+            count += tl.sum(((first <= pid) & bmask).to(tl.int32), 0)
+        user = count - 1
+        start = tl.load(offsets_ptr + user)
+        n = (tl.load(offsets_ptr + user + 1) - start).to(tl.int32)
+        local = pid - (start // BLOCK_M + user).to(tl.int32)
+        n_tiles = (n + BLOCK_M - 1) // BLOCK_M
+        if local < n_tiles:
+            m0 = (n_tiles - 1 - local) * BLOCK_M  # heaviest tile of the user first
+            rows = m0 + tl.arange(0, BLOCK_M)  # [BM] positions in the user
+            rmask = rows < n
+            offs_d = tl.arange(0, D)
+            # The user's head rows; tiles index them with int32 offsets.
+            q_base = q_ptr + start * stride_q + h * D
+            k_base = k_ptr + start * stride_k + h * D
+            v_base = v_ptr + start * stride_v + h * D
+            ts_base = ts_ptr + start
+            q = tl.load(q_base + rows[:, None] * stride_q + offs_d[None, :], mask=rmask[:, None],
+                        other=0.0)  # fmt: skip
+            ts_q = tl.load(ts_base + rows, mask=rmask, other=0).to(tl.float64)
+            range_row = range_ptr + (start // BLOCK_N + user) * 2
+            q_lo, q_hi = _ts_range(range_row, m0 // BLOCK_N, BLOCK_M // BLOCK_N, n, BLOCK_N)
+            pos_row = pos_ptr + h * (NUM_POS + 2 * POS_PAD) + POS_PAD
+            tb_row = tb_ptr + h * NUM_TIME
+            acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+            for n0 in range(0, m0, BLOCK_N):  # below the diagonal: no mask
+                acc = _prefill_tile(
+                    acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
+                    pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
+                    half_scale, D, NUM_CELLS, BLOCK_N, False, IEEE, FAST,
+                )  # fmt: skip
+            for n0 in range(m0, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the diagonal
+                acc = _prefill_tile(
+                    acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
+                    pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
+                    half_scale, D, NUM_CELLS, BLOCK_N, True, IEEE, FAST,
+                )  # fmt: skip
+            out = out_ptr + ((start + rows)[:, None] * H + h) * D + offs_d[None, :]
+            acc = (acc * inv_divisor).to(out_ptr.dtype.element_ty)  # the constant N, once
+            tl.store(out, acc, mask=rmask[:, None])
+
+    @triton.jit
+    def _candidate_kernel(
+        qc_ptr,  # [B, C, H, D], strides stride_cb, stride_cc
+        kc_ptr,  # [B, C, H, D], same strides
+        vc_ptr,  # [B, C, H, D], same strides
+        query_ts_ptr,  # [B] int64
+        k_ptr,  # [T, H, D]
+        v_ptr,  # [T, H, D]
+        ts_ptr,  # [T]
+        offsets_ptr,  # [B + 1]
+        pos_ptr,  # [H, POS_PAD + NUM_POS + POS_PAD] fp32 (``bias_tables``, as the next three)
+        tb_ptr,  # [H, NUM_TIME] fp32
+        cell_edge_ptr,  # [NUM_CELLS] fp64
+        cell_base_ptr,  # [NUM_CELLS] int32
+        out_ptr,  # [B, C, H, D] contiguous (fp32 and zeroed when ATOMIC)
+        num_cands,
+        m_tiles,
+        keys_per_split,
+        stride_cb,
+        stride_cc,
+        stride_k,
+        stride_v,
+        half_scale,
+        inv_divisor,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        NUM_POS: tl.constexpr,
+        NUM_TIME: tl.constexpr,
+        NUM_CELLS: tl.constexpr,
+        POS_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        FAST: tl.constexpr,
+        ATOMIC: tl.constexpr,
+    ):
+        """A tile of one user's candidates x one head x one key range (+ self in split 0)."""
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        split = tl.program_id(2)
+        user = (pid // m_tiles).to(tl.int64)
+        tile = pid % m_tiles
+        start = tl.load(offsets_ptr + user)
+        n = (tl.load(offsets_ptr + user + 1) - start).to(tl.int32)
+        k_start = split * keys_per_split
+        k_end = tl.minimum(n, k_start + keys_per_split)
+        if (k_start < k_end) | (split == 0):
+            offs_d = tl.arange(0, D)
+            cand = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+            cmask = cand < num_cands
+            crow = user * stride_cb + cand.to(tl.int64) * stride_cc + h * D  # [BM]
+            q = tl.load(qc_ptr + crow[:, None] + offs_d[None, :], mask=cmask[:, None], other=0.0)
+            ts_q = tl.load(query_ts_ptr + user).to(tl.float64)
+            pos_row = pos_ptr + h * (NUM_POS + 2 * POS_PAD) + POS_PAD
+            tb_row = tb_ptr + h * NUM_TIME
+            k_base = k_ptr + start * stride_k + h * D
+            v_base = v_ptr + start * stride_v + h * D
+            acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+            for n0 in range(k_start, k_end, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                k, v, ts_k = _key_tile(k_base, v_base, ts_ptr + start, cols, k_end, stride_k,
+                                       stride_v, D, True)  # fmt: skip
+                s = _scores(q, k, IEEE)  # [BM, BN]
+                bias = _key_rab(n - cols, ts_q - ts_k, pos_row, tb_row, cell_edge_ptr,
+                                cell_base_ptr, NUM_POS, NUM_CELLS)  # fmt: skip
+                w = _silu_half((s * half_scale).to(tl.float32) + bias[None, :], FAST)
+                acc = _accumulate(acc, w, v, IEEE)  # keys past k_end: V rows are zero
+            if split == 0:  # the candidate's own key (i - j = 0, dt = 0)
+                kc = tl.load(kc_ptr + crow[:, None] + offs_d[None, :], mask=cmask[:, None],
+                             other=0.0).to(tl.float32)  # fmt: skip
+                vc = tl.load(vc_ptr + crow[:, None] + offs_d[None, :], mask=cmask[:, None],
+                             other=0.0).to(tl.float32)  # fmt: skip
+                zero = tl.zeros((BLOCK_M,), dtype=tl.int32)
+                bias0 = _key_rab(zero, zero.to(tl.float64), pos_row, tb_row, cell_edge_ptr,
+                                 cell_base_ptr, NUM_POS, NUM_CELLS)  # fmt: skip
+                s0 = (tl.sum(q.to(tl.float32) * kc, 1) * half_scale).to(tl.float32) + bias0
+                acc += _silu_half(s0, False)[:, None] * vc
+            out = out_ptr + ((user * num_cands + cand) * H + h)[:, None] * D + offs_d[None, :]
+            acc = (acc * inv_divisor).to(tl.float32)  # the constant N, once
+            if ATOMIC:
+                tl.atomic_add(out, acc, mask=cmask[:, None])
+            else:
+                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=cmask[:, None])
+
+    def bias_tables(
+        pos_bias: torch.Tensor, time_bias: torch.Tensor, edges: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """The kernels' tables (one small launch per call): pos_bias / 2 [H, NUM_POS] (with
+        POS_PAD zeros either side) and time_bias / 2 [H, NUM_TIME] fp32, per head; per cell
+        its edge [NUM_CELLS] fp64 and the buckets below it [NUM_CELLS] int32."""
+        num_time, num_heads = time_bias.shape
+        num_pos = pos_bias.shape[0]
+        dev = time_bias.device
+        pos_bias, time_bias = pos_bias.contiguous(), time_bias.contiguous()
+        pos = torch.empty(num_heads, num_pos + 2 * POS_PAD, dtype=torch.float32, device=dev)
+        tb = torch.empty(num_heads, num_time, dtype=torch.float32, device=dev)
+        cell_edge = torch.empty(NUM_CELLS, dtype=torch.float64, device=dev)
+        cell_base = torch.empty(NUM_CELLS, dtype=torch.int32, device=dev)
+        torch.library.wrap_triton(_bias_table_kernel)[(num_heads,)](
+            pos_bias, edges, time_bias, pos, tb, cell_edge, cell_base, H=num_heads,
+            NUM_POS=num_pos, NUM_TIME=num_time, NT_P2=triton.next_power_of_2(num_time),
+            NUM_CELLS=NUM_CELLS, POS_PAD=POS_PAD, CHUNK=1024,
+        )  # fmt: skip
+        return pos, tb, cell_edge, cell_base
+
+    def launch_prefill(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ts: torch.Tensor,
+        offsets: torch.Tensor,
+        pos_bias: torch.Tensor,
+        time_bias: torch.Tensor,
+        edges: torch.Tensor,
+        divisor: int,
+        block_m: int = PREFILL_BLOCK_M,
+        block_n: int = PREFILL_BLOCK_N,
+        num_warps: int = PREFILL_WARPS,
+        num_stages: int = PREFILL_STAGES,
+        fast: bool = True,
+    ) -> torch.Tensor:
+        """The prefill kernel with an explicit launch shape (the op uses the defaults;
+        bench/h200_bench.py sweeps them). Returns [T, H, d] in q's dtype."""
+        q, k, v = _heads_strided(q), _heads_strided(k), _heads_strided(v)
+        ts, offsets = ts.contiguous(), offsets.contiguous()  # indexed as dense vectors
+        _check_offsets(pos_bias.shape[0], q, k, v)
+        num_tokens, num_heads, head_dim = q.shape
+        num_users = offsets.shape[0] - 1
+        edges = edges.contiguous()
+        tables = bias_tables(pos_bias, time_bias, edges)
+        # Timestamp range of every BLOCK_N keys of every user (a key tile's, or a few for a
+        # query tile), so tiles need no reductions over timestamps.
+        ranges = torch.empty(
+            (num_tokens // block_n + num_users + 1) * 2, dtype=torch.float64, device=q.device
+        )
+        torch.library.wrap_triton(_ts_range_kernel)[(num_users,)](
+            ts, offsets, ranges, CHUNK=block_n, CHUNKS=max(1, 1024 // block_n),
+        )  # fmt: skip
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        grid = (num_tokens // block_m + num_users + 1, num_heads)
+        torch.library.wrap_triton(_prefill_kernel)[grid](
+            q, k, v, ts, offsets, ranges, *tables, edges, out, num_users, q.stride(0),
+            k.stride(0), v.stride(0), 0.5 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads,
+            D=head_dim, NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
+            NUM_CELLS=NUM_CELLS, POS_PAD=POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n,
+            USER_CHUNK=USER_CHUNK, IEEE=q.dtype == torch.float32,
+            FAST=fast_silu_allowed(fast, q), num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+        return out
+
+    def launch_candidates(
+        qc: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        query_ts: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ts: torch.Tensor,
+        offsets: torch.Tensor,
+        pos_bias: torch.Tensor,
+        time_bias: torch.Tensor,
+        edges: torch.Tensor,
+        divisor: int,
+        block_m: int = CAND_BLOCK_M,
+        block_n: int = CAND_BLOCK_N,
+        num_warps: int = CAND_WARPS,
+        num_stages: int = CAND_STAGES,
+        target_programs: int = CAND_TARGET_PROGRAMS,
+        fast: bool = True,
+    ) -> torch.Tensor:
+        """The candidate kernel with an explicit launch shape. Returns [B, C, H, d]."""
+        qc, kc, vc = _heads_strided(qc), _heads_strided(kc), _heads_strided(vc)
+        if kc.stride() != qc.stride() or vc.stride() != qc.stride():
+            qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
+        k, v = _heads_strided(k), _heads_strided(v)
+        _check_offsets(pos_bias.shape[0], k, v)
+        ts, offsets, query_ts = ts.contiguous(), offsets.contiguous(), query_ts.contiguous()
+        num_users, num_cands, num_heads, head_dim = qc.shape
+        tables = bias_tables(pos_bias, time_bias, edges.contiguous())
+        m_tiles = (num_cands + block_m - 1) // block_m
+        # Keys are cut so that about target_programs run; a user never has more than
+        # NUM_POS (= max_seq_len) keys, so splits past its length return at once.
+        span = pos_bias.shape[0]
+        programs = num_users * m_tiles * num_heads
+        wanted = -(-target_programs // programs)
+        splits = torch.sym_max(1, torch.sym_min((span + block_n - 1) // block_n, wanted))
+        per_split = (span + splits - 1) // splits
+        per_split = (per_split + block_n - 1) // block_n * block_n
+        atomic = not isinstance(splits, int) or splits > 1
+        dtype = torch.float32 if atomic else qc.dtype
+        alloc = torch.zeros if atomic else torch.empty
+        out = alloc(qc.shape, dtype=dtype, device=qc.device)
+        grid = (num_users * m_tiles, num_heads, splits)
+        torch.library.wrap_triton(_candidate_kernel)[grid](
+            qc, kc, vc, query_ts, k, v, ts, offsets, *tables, out, num_cands, m_tiles,
+            per_split, qc.stride(0), qc.stride(1), k.stride(0), v.stride(0),
+            0.5 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads, D=head_dim,
+            NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0], NUM_CELLS=NUM_CELLS,
+            POS_PAD=POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=qc.dtype == torch.float32,
+            FAST=fast_silu_allowed(fast, qc), ATOMIC=atomic, num_warps=num_warps,
+            num_stages=num_stages,
+        )  # fmt: skip
+        return out.to(qc.dtype)

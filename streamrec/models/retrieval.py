@@ -1,0 +1,512 @@
+# mypy: disable-error-code="no-untyped-def"
+# (Triton reads the annotations of @jit kernels, so their parameters stay unannotated.)
+"""Retrieval top-k over the item table without a ``[B, V]`` score tensor (issue 14).
+
+``mm`` + ``topk`` writes the scores once (512 MB at batch 256 over 1M items) and the radix
+select reads them several times: on the H200 top-k was ~80 % of retrieval. Here three
+Triton kernels keep the scores in registers and write only candidates:
+
+1. **Threshold.** A sample — every ``SAMPLE_EVERY``-th tile of ``BLOCK_V`` items — is
+   scored and the maximum of each group of ``SAMPLE_GROUP`` items kept. The
+   ``(k + E)``-th largest of those maxima, ``L_b``, bounds the k-th best non-excluded
+   score from below: ``k + E`` distinct items score at least ``L_b`` and at most ``E`` of
+   them are excluded. (Expected candidates per user: ~``(k + E) * SAMPLE_EVERY``.)
+2. **Select.** A program scores a tile of users against a chunk of items (``tl.dot``,
+   fp32 accumulation) and appends every (score, item) above the user's threshold to its
+   own region of a scratch buffer. A region that fills up keeps its top ``KEEP`` entries
+   (``tl.topk``) and raises that user's threshold to the ``KEEP``-th score: the chunk is
+   walked in item order, so a later item with an equal score ranks below all of them.
+3. **Merge.** One program per user walks its candidates in windows, turns excluded items
+   into ``-inf`` and keeps the top k (``tl.topk`` of the window, then of the union).
+
+The result is exact — the same set as ``torch.topk`` over the masked scores — for every
+input, with fixed shapes and no host synchronisation, so the op is captured in CUDA
+graphs and exported into AOTInductor (``triton_op`` + ``wrap_triton``). Ranking uses a
+64-bit key: the fp32 score (order-preserving bits) above the complemented item index, so
+the order is score descending, then item index ascending. ``torch.topk`` breaks ties in
+no documented way and, in bf16, ranks the bf16-rounded scores; at the k-th place the two
+may pick different items of equal score. Returned scores are the fp32 accumulation
+rounded once to the input dtype. NaN scores (non-finite user embeddings) never qualify.
+The scores of the threshold pass and of the select pass come from the same tile code; a
+margin of ``D * 2**-23 * |u|`` (unit-norm item rows) covers any difference in rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
+
+from streamrec.errors import ModelError
+
+try:  # Triton ships with CUDA builds of torch only.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on the CPU CI machine
+    triton = None
+    tl = None
+
+OP_RETRIEVE = "streamrec::retrieve_topk"
+SAMPLE_EVERY = 16  # 1 tile in 16 is scored for the threshold
+SAMPLE_GROUP = 16  # items per sampled maximum
+MAX_K = 1024  # larger k: torch reference
+MIN_FUSED_ITEMS = 1 << 15  # smaller catalogs: mm + topk costs nothing worth fusing
+MAX_CHUNKS = 1024
+MERGE_WINDOW = 2048
+MERGE_WARPS = 8
+DEFAULT_SMS = 132  # H200, when the device cannot be asked
+EXCLUDE_STEPS = 20  # binary-search steps when E is symbolic (export): E < 2**20
+SENTINEL = -(2**63) + 1  # below every packed key
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile shape of the threshold and select kernels (both use the same one)."""
+
+    block_b: int
+    block_v: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    programs_per_sm: int = 2
+    # One loop over (tile, K step) instead of a K loop per tile, so that the pipeliner
+    # prefetches the next tile's first K steps while this tile's candidates are stored.
+    flat: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_b", "block_v", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ModelError(f"LaunchConfig.{name}={value} must be a power of two >= 16")
+        if self.block_v % SAMPLE_GROUP:
+            raise ModelError(f"LaunchConfig.block_v={self.block_v} must be a multiple of 16")
+
+
+def default_config(batch: int | torch.SymInt, dtype: torch.dtype, dim: int) -> LaunchConfig:
+    """Tile shape by batch size (a symbolic batch, under export, gets the middle one)."""
+    block_k = 64 if dim % 64 == 0 else 32 if dim % 32 == 0 else 16
+    small = isinstance(batch, int) and batch <= 16
+    if dtype == torch.float32:  # IEEE dots run on the FMA units: smaller tiles
+        return LaunchConfig(16 if small else 64, 64, min(block_k, 32), 4, 2)
+    if not isinstance(batch, int):
+        return LaunchConfig(64, 128, block_k, 4, 4)
+    if batch <= 64:
+        return LaunchConfig(16 if small else 32 if batch <= 32 else 64, 128, block_k, 4, 4)
+    return LaunchConfig(128, 128, block_k, 8, 3)
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+# ---------------------------------------------------------------- torch side
+
+
+def retrieve_reference(
+    user_emb: torch.Tensor, table: torch.Tensor, exclude: torch.Tensor, k: int, first_row: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mm`` + masks + ``topk``: the contract's semantics and the oracle of the tests.
+
+    user_emb [B, D]; table [V, D] (normalised rows); exclude [B, E] row ids, -1 = none.
+    """
+    scores = user_emb @ table.t()  # [B, V], a fresh tensor: masked in place
+    # (masking in place saves three passes over [B, V], 1M items each, per step)
+    scores[:, :first_row] = float("-inf")
+    # -1 maps to row 0 (padding), which is already blocked.
+    drop = exclude.clamp(min=0, max=scores.shape[1] - 1)
+    scores.scatter_(1, drop, float("-inf"))
+    top_scores, top_idx = torch.topk(scores, k, dim=1)
+    return top_scores, top_idx  # a plain tuple: export cannot serialise return_types
+
+
+def pack_keys(scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered as (score descending, index ascending); the kernels' order."""
+    bits = scores.float().view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.long() << 32) | (0xFFFFFFFF - idx.long())
+
+
+def unpack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ordered = (keys >> 32).int()
+    bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+    return bits.view(torch.float32), 0xFFFFFFFF - (keys & 0xFFFFFFFF)
+
+
+def sample_threshold(
+    group_max: torch.Tensor, need: int | torch.SymInt, margin: torch.Tensor
+) -> torch.Tensor:
+    """Per-user threshold from sampled maxima [B, G]: strictly below the ``need``-th
+    largest minus ``margin`` [B], so that ``score > threshold`` keeps every score
+    ``>= L - margin``; ``-inf`` when fewer than ``need`` maxima exist."""
+    pad = group_max.new_full((group_max.shape[0], need), float("-inf"))
+    lower = torch.topk(torch.cat([group_max, pad], dim=1), need, dim=1).values[:, -1]  # [B]
+    return torch.nextafter(lower - margin, torch.full_like(lower, float("-inf")))
+
+
+class NormalizedTable:
+    """The L2-normalised item table, kept until the embedding weight changes.
+
+    ``F.normalize`` over 1M x 512 reads and writes 2 GB per call; the weight changes only
+    by training or loading (``_version``, address, dtype or device move). Traced code
+    (export, compile) and autograd get a fresh normalisation, as before.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int, torch.dtype, torch.device] | None = None
+        self._table: torch.Tensor | None = None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        if (
+            torch.compiler.is_compiling()
+            or is_fake(weight)
+            or (torch.is_grad_enabled() and weight.requires_grad)
+        ):
+            return F.normalize(weight, dim=-1)
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        if self._table is None or self._key != key:
+            self._table = None  # free the stale copy before making the new one
+            with torch.inference_mode(False), torch.no_grad():
+                self._table = F.normalize(weight, dim=-1)
+            self._key = key
+        return self._table
+
+
+def fused_retrieval_enabled(
+    backend: str, user_emb: torch.Tensor, table: torch.Tensor, k: int, first_row: int
+) -> bool:
+    """Whether ``fused_retrieve`` serves this call: Triton, CUDA, a large catalog, k <=
+    MAX_K, matching 16/32-bit dtypes and a dim that is a multiple of 16; ``backend``
+    "torch" (the model's kernel switch) never."""
+    if backend == "torch" or not triton_available() or not user_emb.is_cuda:
+        return False
+    num_items, dim = table.shape
+    return (
+        0 < k <= MAX_K
+        and num_items - first_row >= max(k, MIN_FUSED_ITEMS)
+        and user_emb.dtype == table.dtype
+        and user_emb.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and dim % 16 == 0
+        and user_emb.shape[-1] == dim
+        and table.stride(-1) == 1
+    )
+
+
+def fused_retrieve(
+    user_emb: torch.Tensor, table: torch.Tensor, exclude: torch.Tensor, k: int, first_row: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op: (scores [B, k] in user_emb's dtype, item rows [B, k] int64)."""
+    if exclude.dim() != 2 or exclude.shape[0] != user_emb.shape[0]:
+        raise ModelError(f"exclude must be [B, E], got {tuple(exclude.shape)}")
+    return torch.ops.streamrec.retrieve_topk(user_emb, table, exclude, k, first_row)
+
+
+# ---------------------------------------------------------------- kernels
+
+if triton is not None:
+    _SENT = tl.constexpr(SENTINEL)
+
+    @triton.jit
+    def _pack(score, idx):
+        bits = score.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        return (ordered.to(tl.int64) << 32) | (4294967295 - idx.to(tl.int64))
+
+    @triton.jit
+    def _unpack(key):
+        ordered = (key >> 32).to(tl.int32)
+        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+        return bits.to(tl.float32, bitcast=True), (4294967295 - (key & 4294967295)).to(tl.int32)
+
+    @triton.jit
+    def _count_le(row_ptr, n, x, steps):
+        """How many of the n sorted int32 values at ``row_ptr`` are <= x (elementwise)."""
+        pos = (x * 0).to(tl.int32)
+        for t in range(steps):
+            cand = pos + (1 << (steps - 1 - t))
+            ok = cand <= n
+            v = tl.load(row_ptr + cand - 1, mask=ok, other=0)
+            pos = tl.where(ok & (v <= x), cand, pos)
+        return pos
+
+    @triton.jit
+    def _excluded(idx, ex_row, num_ex, steps):
+        pos = _count_le(ex_row, num_ex, idx, steps)
+        hit = tl.load(ex_row + pos - 1, mask=pos > 0, other=-1)
+        return (pos > 0) & (hit == idx)
+
+    @triton.jit
+    def _dot_step(
+        acc, u_rows, t_rows, kk, row_ok, col_ok, BLOCK_K: tl.constexpr, IEEE: tl.constexpr
+    ):
+        """acc += users [BB, BLOCK_K] @ items [BV, BLOCK_K]^T at K offset kk.
+
+        IEEE: fp32 dots (fp32 inputs, or 16-bit inputs on the CPU interpreter, whose
+        bf16 ``tl.dot`` is wrong: there the operands are widened, which is exact)."""
+        offs_k = kk + tl.arange(0, BLOCK_K)
+        a = tl.load(u_rows + offs_k[None, :], mask=row_ok[:, None], other=0.0)  # [BB, BK]
+        b = tl.load(t_rows + offs_k[None, :], mask=col_ok[:, None], other=0.0)  # [BV, BK]
+        if IEEE:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        return acc
+
+    @triton.jit
+    def _tile_scores(
+        u_ptr, t_ptr, rows, cols, num_users, num_items, stride_u, stride_t,
+        D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """fp32 scores [BLOCK_B, BLOCK_V] of users ``rows`` x items ``cols``; -inf past V."""
+        u_rows = u_ptr + rows.to(tl.int64)[:, None] * stride_u  # [BB, 1]
+        t_rows = t_ptr + cols.to(tl.int64)[:, None] * stride_t  # [BV, 1]
+        col_ok = cols < num_items
+        acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
+        for kk in range(0, D, BLOCK_K):
+            acc = _dot_step(acc, u_rows, t_rows, kk, rows < num_users, col_ok, BLOCK_K, IEEE)
+        return tl.where(col_ok[None, :], acc, float("-inf"))
+
+    @triton.jit
+    def _sample_kernel(
+        u_ptr, t_ptr, gmax_ptr, num_users, num_items, first, num_groups, stride_u, stride_t,
+        D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, GROUP: tl.constexpr, EVERY: tl.constexpr,
+    ):  # fmt: skip
+        """Maxima of groups of GROUP items in sampled tile ``program_id(1)``."""
+        rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        tile = tl.program_id(1)
+        cols = first + tile * (BLOCK_V * EVERY) + tl.arange(0, BLOCK_V)
+        acc = _tile_scores(
+            u_ptr, t_ptr, rows, cols, num_users, num_items, stride_u, stride_t,
+            D, BLOCK_B, BLOCK_V, BLOCK_K, IEEE,
+        )  # fmt: skip
+        gmax = tl.max(tl.reshape(acc, [BLOCK_B, BLOCK_V // GROUP, GROUP]), axis=2)
+        groups = tile * (BLOCK_V // GROUP) + tl.arange(0, BLOCK_V // GROUP)
+        ptrs = gmax_ptr + rows.to(tl.int64)[:, None] * num_groups + groups[None, :]
+        tl.store(ptrs, gmax, mask=(rows < num_users)[:, None])
+
+    @triton.jit
+    def _compact(
+        thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex, num_ex,
+        ex_steps, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr,
+        KEEP: tl.constexpr,
+    ):  # fmt: skip
+        """Rows whose region might not hold another tile keep their top KEEP entries
+        (excluded items as -inf) and raise their threshold to the KEEP-th score."""
+        offs = tl.arange(0, CAP)
+        lane = tl.arange(0, BLOCK_B)
+        for r in range(BLOCK_B):
+            sel = lane == r
+            row = tl.sum(tl.where(sel, rows, 0), axis=0)
+            slot = tl.sum(tl.where(sel, slots, 0), axis=0)
+            n = tl.load(cnt_ptr + slot, mask=row < num_users, other=0)
+            if n > CAP - BLOCK_V:
+                base = slot * CAP
+                s = tl.load(sc_ptr + base + offs, mask=offs < n, other=float("-inf"))
+                i = tl.load(ix_ptr + base + offs, mask=offs < n, other=0)
+                dropped = _excluded(i, ex_ptr + row * stride_ex, num_ex, ex_steps)
+                s = tl.where(dropped, float("-inf"), s)
+                top = tl.topk(tl.where(offs < n, _pack(s, i), _SENT), KEEP)  # [KEEP]
+                ts, ti = _unpack(top)
+                keep = tl.arange(0, KEEP)
+                tl.store(sc_ptr + base + keep, ts)
+                tl.store(ix_ptr + base + keep, ti)
+                tl.store(cnt_ptr + slot, KEEP)
+                kth, _ = _unpack(tl.min(top, axis=0))
+                thr = tl.where(sel, tl.maximum(thr, kth), thr)
+        return thr
+
+    @triton.jit
+    def _append(
+        acc, cols, thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr,
+        stride_ex, num_ex, ex_steps, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+        CAP: tl.constexpr, KEEP: tl.constexpr,
+    ):  # fmt: skip
+        """Append a tile's scores above threshold to the rows' regions; compact the rows
+        that might not hold another tile. Returns the new (thr, cnt)."""
+        take = acc > thr[:, None]  # [BB, BV]
+        # Every region has room for one more tile (compaction below), so slot < CAP.
+        cnt_ptrs = tl.broadcast_to(cnt_ptr + slots[:, None], [BLOCK_B, BLOCK_V])
+        ones = tl.full([BLOCK_B, BLOCK_V], 1, tl.int32)
+        slot = tl.atomic_add(cnt_ptrs, ones, mask=take, sem="relaxed", scope="cta")
+        dest = slots[:, None] * CAP + slot
+        tl.store(sc_ptr + dest, acc, mask=take)
+        tl.store(ix_ptr + dest, tl.broadcast_to(cols[None, :], [BLOCK_B, BLOCK_V]), mask=take)
+        cnt += tl.sum(take.to(tl.int32), axis=1)
+        if tl.max(cnt, axis=0) > CAP - BLOCK_V:
+            tl.debug_barrier()
+            thr = _compact(
+                thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex,
+                num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
+            )  # fmt: skip
+            tl.debug_barrier()
+            cnt = tl.load(cnt_ptr + slots, mask=rows < num_users, other=0)
+        return thr, cnt
+
+    @triton.jit
+    def _select_kernel(
+        u_ptr, t_ptr, thr_ptr, ex_ptr, cnt_ptr, sc_ptr, ix_ptr, num_users, num_items, first,
+        num_chunks, chunk_tiles, stride_u, stride_t, stride_ex, num_ex, ex_steps,
+        D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, CAP: tl.constexpr, KEEP: tl.constexpr,
+        FLAT: tl.constexpr,
+    ):  # fmt: skip
+        """Candidates of users ``program_id(0)`` in item chunk ``program_id(1)``."""
+        rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        chunk = tl.program_id(1)
+        row_ok = rows < num_users
+        thr = tl.load(thr_ptr + rows, mask=row_ok, other=float("inf"))  # [BB]
+        slots = rows * num_chunks + chunk  # [BB] (user, chunk); int32 offsets (host check)
+        cnt = tl.zeros([BLOCK_B], dtype=tl.int32)
+        start = first + chunk * chunk_tiles * BLOCK_V
+        stop = tl.minimum(start + chunk_tiles * BLOCK_V, num_items)
+        if FLAT:
+            steps: tl.constexpr = D // BLOCK_K
+            u_rows = u_ptr + rows.to(tl.int64)[:, None] * stride_u  # [BB, 1]
+            acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
+            for it in range(0, tl.cdiv(stop - start, BLOCK_V) * steps):
+                cols = start + (it // steps) * BLOCK_V + tl.arange(0, BLOCK_V)
+                t_rows = t_ptr + cols.to(tl.int64)[:, None] * stride_t  # [BV, 1]
+                kk = (it % steps) * BLOCK_K
+                acc = _dot_step(acc, u_rows, t_rows, kk, row_ok, cols < num_items, BLOCK_K, IEEE)
+                if it % steps == steps - 1:
+                    acc = tl.where((cols < num_items)[None, :], acc, float("-inf"))
+                    thr, cnt = _append(
+                        acc, cols, thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr,
+                        ex_ptr, stride_ex, num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
+                    )  # fmt: skip
+                    acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
+        else:
+            for v0 in range(start, stop, BLOCK_V):
+                cols = v0 + tl.arange(0, BLOCK_V)
+                acc = _tile_scores(
+                    u_ptr, t_ptr, rows, cols, num_users, num_items, stride_u, stride_t,
+                    D, BLOCK_B, BLOCK_V, BLOCK_K, IEEE,
+                )  # fmt: skip
+                thr, cnt = _append(
+                    acc, cols, thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr,
+                    ex_ptr, stride_ex, num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
+                )  # fmt: skip
+
+    @triton.jit
+    def _merge_kernel(
+        sc_ptr, ix_ptr, cnt_ptr, pre_ptr, ex_ptr, out_s_ptr, out_i_ptr, num_chunks,
+        chunk_steps, stride_ex, num_ex, ex_steps, k,
+        CAP: tl.constexpr, KEEP: tl.constexpr, WIN: tl.constexpr,
+    ):  # fmt: skip
+        """Top k of user ``program_id(0)``'s candidates, excluded items as -inf."""
+        b = tl.program_id(0)
+        pre_row = pre_ptr + b * num_chunks  # exclusive prefix of the region counts
+        ex_row = ex_ptr + b * stride_ex
+        last = b * num_chunks + num_chunks - 1
+        total = tl.load(pre_ptr + last) + tl.load(cnt_ptr + last)
+        offs = tl.arange(0, WIN)
+        best = tl.full([KEEP], _SENT, tl.int64)
+        for w0 in range(0, total, WIN):
+            j = w0 + offs  # candidate number within the user's regions
+            valid = j < total
+            c = tl.maximum(_count_le(pre_row, num_chunks, j, chunk_steps) - 1, 0)
+            src = (b * num_chunks + c) * CAP + (j - tl.load(pre_row + c))
+            s = tl.load(sc_ptr + src, mask=valid, other=float("-inf"))
+            i = tl.load(ix_ptr + src, mask=valid, other=0)
+            s = tl.where(_excluded(i, ex_row, num_ex, ex_steps), float("-inf"), s)
+            top = tl.topk(tl.where(valid, _pack(s, i), _SENT), KEEP)
+            best = tl.topk(tl.reshape(tl.join(best, top), [2 * KEEP]), KEEP)
+        score, idx = _unpack(best)
+        o = tl.arange(0, KEEP)
+        tl.store(out_s_ptr + b * k + o, score, mask=o < k)
+        tl.store(out_i_ptr + b * k + o, idx.to(tl.int64), mask=o < k)
+
+    def launch_retrieval(
+        user_emb: torch.Tensor,
+        table: torch.Tensor,
+        exclude: torch.Tensor,
+        k: int,
+        first_row: int,
+        config: LaunchConfig | None = None,
+        programs: int | None = None,
+        merge_window: int = MERGE_WINDOW,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three kernels with an explicit tile shape, number of select programs and
+        merge window (the op uses the defaults; the bench sweeps them). Returns fp32
+        scores [B, k], rows [B, k] int64 and the candidates kept per (user, chunk)
+        [B, chunks] int32."""
+        num_users, dim = user_emb.shape
+        num_items = table.shape[0]
+        num_ex = exclude.shape[1]
+        cfg = config or default_config(num_users, user_emb.dtype, dim)
+        if dim % cfg.block_k:
+            raise ModelError(f"dim {dim} is not a multiple of block_k={cfg.block_k}")
+        bb, bv = cfg.block_b, cfg.block_v
+        keep = _next_pow2(k)
+        cap = _next_pow2(keep + bv)
+        launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        tile = {"D": dim, "BLOCK_B": bb, "BLOCK_V": bv, "BLOCK_K": cfg.block_k,
+                "IEEE": user_emb.dtype == torch.float32 or not user_emb.is_cuda}  # fmt: skip
+        dev = user_emb.device
+        u = user_emb.contiguous()
+        # Sorted int32 exclusions (ids past the table act on its last row, as in mm + topk).
+        ex = exclude.clamp(max=num_items - 1).to(torch.int32).sort(dim=1).values.contiguous()
+        ex_steps = num_ex.bit_length() if isinstance(num_ex, int) else EXCLUDE_STEPS
+        user_tiles = _cdiv(num_users, bb)
+
+        sampled = _cdiv(num_items - first_row, bv * SAMPLE_EVERY)
+        groups = sampled * (bv // SAMPLE_GROUP)
+        gmax = torch.empty(num_users, groups, device=dev, dtype=torch.float32)
+        torch.library.wrap_triton(_sample_kernel)[(user_tiles, sampled)](
+            u, table, gmax, num_users, num_items, first_row, groups, u.stride(0),
+            table.stride(0), GROUP=SAMPLE_GROUP, EVERY=SAMPLE_EVERY, **tile, **launch,
+        )  # fmt: skip
+        margin = torch.linalg.vector_norm(u.float(), dim=1) * (dim * 2.0**-23)
+        thr = sample_threshold(gmax, k + num_ex, margin).contiguous()  # [B]
+
+        if programs is None:
+            sms = DEFAULT_SMS
+            if dev.type == "cuda":
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            programs = cfg.programs_per_sm * sms
+        tiles = _cdiv(num_items - first_row, bv)
+        # Chunks per user tile so that about ``programs`` run; a symbolic batch (export)
+        # gets a fixed count (sizes stay simple expressions of B; speed only).
+        tiles_b = user_tiles if isinstance(user_tiles, int) else 2
+        chunk_tiles = _cdiv(tiles, max(1, min(_cdiv(programs, tiles_b), MAX_CHUNKS, tiles)))
+        chunks = _cdiv(tiles, chunk_tiles)
+        if isinstance(num_users, int) and num_users * chunks * cap >= 2**31:
+            raise ModelError(f"batch {num_users} too large for one call (int32 offsets)")
+        counts = torch.zeros(num_users, chunks, device=dev, dtype=torch.int32)
+        sc = torch.empty(num_users * chunks * cap, device=dev, dtype=torch.float32)
+        ix = torch.empty(num_users * chunks * cap, device=dev, dtype=torch.int32)
+        torch.library.wrap_triton(_select_kernel)[(user_tiles, chunks)](
+            u, table, thr, ex, counts, sc, ix, num_users, num_items, first_row, chunks,
+            chunk_tiles, u.stride(0), table.stride(0), ex.stride(0), num_ex, ex_steps,
+            CAP=cap, KEEP=keep, FLAT=cfg.flat, **tile, **launch,
+        )  # fmt: skip
+
+        pre = (torch.cumsum(counts, dim=1, dtype=torch.int32) - counts).contiguous()
+        chunk_steps = chunks.bit_length()
+        scores = torch.empty(num_users, k, device=dev, dtype=torch.float32)
+        rows = torch.empty(num_users, k, device=dev, dtype=torch.int64)
+        torch.library.wrap_triton(_merge_kernel)[(num_users,)](
+            sc, ix, counts, pre, ex, scores, rows, chunks, chunk_steps, ex.stride(0), num_ex,
+            ex_steps, k, CAP=cap, KEEP=keep, WIN=max(merge_window, keep), num_warps=MERGE_WARPS,
+        )  # fmt: skip
+        return scores, rows, counts
+
+    @torch.library.triton_op(OP_RETRIEVE, mutates_args={})
+    def retrieve_topk(
+        user_emb: torch.Tensor, table: torch.Tensor, exclude: torch.Tensor, k: int, first_row: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k rows >= first_row by user_emb @ table.T, excluded rows last (-inf)."""
+        scores, rows, _ = launch_retrieval(user_emb, table, exclude, k, first_row)
+        return scores.to(user_emb.dtype), rows
