@@ -62,7 +62,7 @@ def _recall(
         rset = RetrievalSet(table, "cpu", size, first, half_life_events=1e12, hysteresis=0.0)
         rset.observe(events)
         rset.refresh()
-        got = retrieve_members(rset, user, max(KS), recent)[1].numpy()  # [U, K]
+        got = retrieve_members(rset, user, max(KS), rset.excluded_rows(recent))[1].numpy()  # [U, K]
         row: dict[str, object] = {"set_size": size, "set_share": round(size / num_items, 4)}
         for k in KS:
             hits = [len(set(exact[u, :k]) & set(got[u, :k])) for u in range(len(user))]

@@ -221,7 +221,7 @@ def embedding_section(shape: Shape, device: torch.device, zipf_s: float, rows: R
     users = PagedUsers(shape, model, device)
     new_items = [zipf.sample((shape.batch,)) for _ in range(shape.steps)]
     cands = [zipf.sample((shape.batch, shape.cands)) for _ in range(shape.steps)]
-    no_exclude = np.zeros((shape.batch, 0), dtype=np.int64)
+    no_exclude = rset.excluded_rows(np.zeros((shape.batch, 0), dtype=np.int64))  # [B, 1]
     items_buf = torch.zeros(shape.batch, dtype=torch.int64, device=device)
     cands_buf = torch.zeros(shape.batch, shape.cands, dtype=torch.int64, device=device)
     c = users.cache
@@ -317,7 +317,7 @@ def _retrieval_rows(
     user = torch.nn.functional.normalize(
         torch.randn(shape.batch, shape.dim, device=device, dtype=table.dtype), dim=-1
     )
-    none = np.zeros((shape.batch, 0), dtype=np.int64)
+    none = rset.excluded_rows(np.zeros((shape.batch, 0), dtype=np.int64))
     for name, fn in (
         ("exact, all rows", lambda: torch.topk(user @ table.t(), shape.cands, dim=1)),
         ("retrievable set", lambda: retrieve_members(rset, user, shape.cands, none)),

@@ -27,16 +27,16 @@ from streamrec.models.retrieval import fused_retrieval_enabled, fused_retrieve, 
 
 
 def retrieve_members(
-    retrievable: RetrievalSet, user_emb: torch.Tensor, k: int, exclude: np.ndarray
+    retrievable: RetrievalSet, user_emb: torch.Tensor, k: int, drop: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` members by cosine score: ``(scores[B, k], item rows[B, k])``.
 
     The set's table has the item table's layout (row 0 padding), so the model's own
     retrieval ops serve it: the fused GEMM + top-k on CUDA, ``mm`` + ``topk`` elsewhere.
-    ``exclude[B, E]`` are item rows (-1 = none).
+    ``drop[B, E]`` are table rows to skip (``retrievable.excluded_rows``; 0 = none), built
+    apart so that this call copies nothing host -> device (it can be graph-captured).
     """
     table = retrievable.table  # [1 + N, D]
-    drop = retrievable.excluded_rows(exclude)  # [B, E] table rows
     k = min(k, retrievable.size)
     if fused_retrieval_enabled("auto", user_emb, table, k, 1):
         scores, rows = fused_retrieve(user_emb, table, drop, k, 1)
@@ -82,7 +82,8 @@ class ItemCatalog:
         self, user_emb: torch.Tensor, k: int, exclude: np.ndarray
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores[B, k], item rows[B, k])`` over the retrievable set."""
-        return retrieve_members(self.retrievable, user_emb, k, exclude)
+        drop = self.retrievable.excluded_rows(exclude)  # [B, E] table rows
+        return retrieve_members(self.retrievable, user_emb, k, drop)
 
     def observe(self, items: np.ndarray) -> None:
         """The item rows of a batch's new events (popularity for the next refresh)."""

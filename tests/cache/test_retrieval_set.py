@@ -22,14 +22,16 @@ def test_retrieve_is_exact_over_the_members_and_masks_excluded_rows() -> None:
     rset = RetrievalSet(table, "cpu", 6, FIRST, initial=members)
     user = F.normalize(torch.randn(2, 8, generator=torch.Generator().manual_seed(2)), dim=-1)
     exclude = np.array([[9, -1, 30], [-1, -1, -1]])  # 30 is no member: nothing to mask
-    scores, items = retrieve_members(rset, user, 4, exclude)
+    scores, items = retrieve_members(rset, user, 4, rset.excluded_rows(exclude))
     exact = user @ F.normalize(table, dim=-1)[members].t()  # [2, 6]
     exact[0, 1] = float("-inf")
     want_scores, want_pos = torch.topk(exact, 4, dim=1)
     assert torch.equal(items, torch.from_numpy(members)[want_pos])
     torch.testing.assert_close(scores, want_scores)
     assert 9 not in items[0].tolist()
-    _, all_items = retrieve_members(rset, user, 10, np.zeros((2, 0), np.int64))  # k clamps to N
+    _, all_items = retrieve_members(
+        rset, user, 10, rset.excluded_rows(np.zeros((2, 0), np.int64))
+    )  # k clamps to N
     assert all_items.shape == (2, 6)
 
 
