@@ -2,7 +2,7 @@
 
 Pure arithmetic (no device needed); ``streamrec bench cache-capacity`` prints the same.
 
-    .venv/bin/python -m bench.cache_capacity [--gpu-gib 100] [--host-gib 64]
+    .venv/bin/python -m bench.cache_capacity [--gpu-gib 100] [--host-gib 64] [--disk-gib 1800]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def reference_rows(
     gpu_gib: float,
     host_gib: float,
     store_gib: float | None,
+    disk_gib: float | None = None,
     block_sizes: tuple[int, ...] = (16, 32),
     history_lens: tuple[int, ...] = (1000, 2048, 4096),
 ) -> list[tuple[str, int, CapacityRow]]:
@@ -46,6 +47,7 @@ def reference_rows(
                     int(gpu_gib * GIB),
                     int(host_gib * GIB),
                     None if store_gib is None else int(store_gib * GIB),
+                    None if disk_gib is None else int(disk_gib * GIB),
                 )
                 rows.extend((workload.name, block_size, row) for row in report)
     return rows
@@ -56,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-gib", type=float, default=100.0)
     parser.add_argument("--host-gib", type=float, default=64.0)
     parser.add_argument("--store-gib", type=float, default=64.0, help="history store memory")
+    parser.add_argument("--disk-gib", type=float, default=1800.0, help="local NVMe for KV")
     args = parser.parse_args(argv)
-    rows = reference_rows(args.gpu_gib, args.host_gib, args.store_gib)
+    rows = reference_rows(args.gpu_gib, args.host_gib, args.store_gib, args.disk_gib)
     print(capacity_table(rows))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     records = [{"model": m, "block_size": b, **asdict(r)} for m, b, r in rows]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|demo|demo-aoti|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|demo|demo-aoti|tiers|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -142,6 +142,12 @@ for stage in "$@"; do
       python3 -m streamrec.tools.cli export --model "$model" --device cuda 2>&1 | tail -4
       STREAMREC_MODEL__REQUIRE_AOTI=true python3 -m streamrec.tools.cli demo --synthetic 2>&1 \
         | tee "$OUT/demo_aoti.txt" | tail -22 ;;
+    tiers)  # issue 20: embedding cache, retrievable set, disk KV tier (~2.5 min)
+      python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/cache/test_embedding_cache.py \
+        tests/cache/test_disk_tier.py tests/pipeline/test_item_catalog.py \
+        tests/worker/test_serving_stack.py 2>&1 \
+        | tee "$OUT/tiers_gpu_tests.log" | tail -12
+      python3 -m bench.tiers_bench --out "$OUT" --disk-dir "${TIERS_DISK_DIR:-$PWD}" 2>&1 | tail -40 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"

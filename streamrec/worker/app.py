@@ -47,7 +47,12 @@ from streamrec.worker.offset_tracker import OffsetTracker, OffsetTrackerStats
 from streamrec.worker.publisher import Publisher
 from streamrec.worker.rebalance import RebalanceListener
 from streamrec.worker.serving_pipeline import PublishedHook, ServingPipeline
-from streamrec.worker.serving_stack import build_tiers, serving_model, serving_scoring
+from streamrec.worker.serving_stack import (
+    build_catalog,
+    build_tiers,
+    serving_model,
+    serving_scoring,
+)
 
 log = logging.getLogger(__name__)
 
@@ -169,20 +174,24 @@ class App:
         """Model, caches, history store, engine, pipeline (the model loads off the loop)."""
         if self.loaded is None:
             self.loaded = await asyncio.to_thread(
-                load_model, self.config.model, self.config.scoring
+                load_model,
+                self.config.model,
+                self.config.scoring,
+                self.config.cache.embedding_cache_rows,
             )
         loaded = self.loaded
         hstu = loaded.checkpoint.config
         if self._store is None:
             self._store = open_history_store(self.config.store.url, hstu.max_seq_len)
-        tiers = build_tiers(self.config.cache, loaded)
         scoring = serving_scoring(self.config.scoring, hstu)
+        catalog = build_catalog(self.config.cache, loaded, scoring)  # before the KV budget
+        tiers = build_tiers(self.config.cache, loaded)
         model = await asyncio.to_thread(serving_model, self.config, loaded, tiers.cache, scoring)
         scoped = LogScopedStore(self._store)
         vocab = loaded.checkpoint.vocab
         name, version = loaded.checkpoint.model_name, loaded.checkpoint.version
         config = EngineConfig(name, version, loaded.backend, scoring)
-        self.engine = Engine(model, tiers, scoped, vocab, hstu.task_names, config)
+        self.engine = Engine(model, tiers, scoped, vocab, hstu.task_names, config, catalog)
         checkpoint = Checkpoint(
             self.config,
             tracker=self.tracker,
@@ -318,6 +327,8 @@ class App:
         if self.engine is not None:
             store = self._store.stats() if self._store is not None else None
             self.metrics.sync_caches(self.engine.tiers.stats(), store)
+            if self.engine.catalog is not None:
+                self.metrics.sync_catalog(*self.engine.catalog.stats())
             self.metrics.sync_engine(self.engine.stats())
             model = self.engine.step.model
             if isinstance(model, GraphedModel):
