@@ -20,6 +20,7 @@ from streamrec import __version__
 from streamrec.errors import ConfigError, StreamrecError
 from streamrec.offline.training import TrainConfig
 from streamrec.tools.export_command import add_export_arguments, run_export
+from streamrec.tools.supervisor import add_supervisor_arguments, run_supervised, supervising
 from streamrec.worker.config import ENV_CONFIG_FILE, WorkerConfig, config_fields, load_config
 from streamrec.worker.model_loader import export_config_for
 
@@ -222,7 +223,10 @@ def _produce(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """The worker until SIGTERM/SIGINT (then drain, flush, commit, exit 0)."""
+    """The worker until SIGTERM/SIGINT (then drain, flush, commit, exit 0); with ``--gpus``
+    (or ``--cpu-children``) a supervisor of one such worker per GPU."""
+    if supervising(args):
+        return run_supervised(effective_config(args), args)
     import signal
 
     import uvloop
@@ -321,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the worker against a Kafka cluster")
     _add_config_flags(run, worker=True)
+    add_supervisor_arguments(run)
     run.set_defaults(handler=_run)
 
     demo = sub.add_parser("demo", help="local broker + small model + replayed events")
