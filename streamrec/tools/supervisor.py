@@ -11,6 +11,9 @@ pods are, and the supervisor only does what Kubernetes would otherwise do for th
   restarted within ``kafka.session_timeout_ms`` rejoins as the same member and gets its
   partitions back without a group-wide rebalance; past it, the others take them over
   until it returns.
+  ``--dynamic-members`` leaves the ids unset: the dev broker (Tansu 0.6 with aiokafka
+  0.14) answers a static member's heartbeat with "member id not recognized" every few
+  seconds, so a group of static members there rebalances over and over.
 - **Pinning.** ``CUDA_VISIBLE_DEVICES`` names the child's one GPU (translated through the
   supervisor's own ``CUDA_VISIBLE_DEVICES`` when that is set) and ``model.device = cuda``;
   CPU children see no GPU and get ``model.device = cpu``.
@@ -165,9 +168,15 @@ def select_gpus(spec: str, device_count: int, visible: str | None) -> list[tuple
 
 
 def child_specs(
-    config: WorkerConfig, gpus: Sequence[tuple[int, str]] | None, cpu_children: int, host: str
+    config: WorkerConfig,
+    gpus: Sequence[tuple[int, str]] | None,
+    cpu_children: int,
+    host: str,
+    *,
+    static: bool = True,
 ) -> list[ChildSpec]:
-    """One spec per GPU (or per CPU child): member id, port and device set per child."""
+    """One spec per GPU (or per CPU child): member id, port and device set per child;
+    ``static=False``: no member ids at all (dynamic members)."""
     base = config.group.group_instance_id or host
     slots: list[tuple[str, str | None, str]] = (
         [(f"gpu{i}", value, "cuda") for i, value in gpus]
@@ -183,7 +192,9 @@ def child_specs(
     for i, (name, gpu, device) in enumerate(slots):
         child = dataclasses.replace(
             config,
-            group=dataclasses.replace(config.group, group_instance_id=f"{base}-{name}"),
+            group=dataclasses.replace(
+                config.group, group_instance_id=f"{base}-{name}" if static else None
+            ),
             http=dataclasses.replace(config.http, port=port + i if port else 0),
             model=dataclasses.replace(config.model, device=device),
         )
@@ -401,6 +412,12 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
         help="supervise N CPU workers the same way (tests, development)",
     )
     group.add_argument(
+        "--dynamic-members",
+        action="store_true",
+        help="no static member ids (the dev broker, Tansu 0.6, keeps rebalancing groups of "
+        "static members: tests and bench/multi_gpu_bench.py use this)",
+    )
+    group.add_argument(
         "--max-restarts",
         type=int,
         default=RestartPolicy.max_restarts,
@@ -427,7 +444,9 @@ def run_supervised(
         gpus = select_gpus(args.gpus, device_count(), visible)
     elif args.cpu_children < 1:
         raise ConfigError(f"--cpu-children {args.cpu_children}: must be >= 1")
-    specs = child_specs(config, gpus, args.cpu_children or 0, socket.gethostname())
+    specs = child_specs(
+        config, gpus, args.cpu_children or 0, socket.gethostname(), static=not args.dynamic_members
+    )
     return Supervisor(specs, policy).run()
 
 
@@ -438,7 +457,7 @@ class ChildStart:
     child: str
     pid: int
     http_port: int
-    group_instance_id: str
+    group_instance_id: str | None
     restarts: int
 
 
