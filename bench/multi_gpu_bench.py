@@ -62,6 +62,7 @@ import numpy as np
 from bench._report import RESULTS_DIR, print_table, write_results
 from bench.engine_bench import WORKLOADS, _model, _preload
 from bench.reference_config import ReferenceWorkload
+from bench.soak import ProcessSampler
 from bench.worker_bench import (
     EventBook,
     IntArray,
@@ -175,6 +176,7 @@ class Fleet:
     reader: OutputReader
     book: EventBook
     timeout_s: float
+    broker: ProcessSampler | None = None  # the dev broker's CPU: is a row broker-bound?
     produced: int = 0
     seen: int = 0  # reader rows already given to the book
     samples: list[tuple[float, int]] = field(default_factory=list)  # (wall s, completed)
@@ -221,12 +223,19 @@ class Fleet:
                 return False
             await asyncio.sleep(0.02)
 
-    def row(self, phase: str, start_wall: float, done_at: int, e2p: list[float]) -> Row:
+    def broker_cpu_s(self) -> float:
+        return self.broker.cpu_seconds() if self.broker is not None else 0.0
+
+    def row(
+        self, phase: str, start_wall: float, done_at: int, e2p: list[float], cpu_s: float
+    ) -> Row:
         moved = [(t, c) for t, c in self.samples if t >= start_wall and c > done_at]
         last = moved[-1] if moved else (start_wall, done_at)
         wall = last[0] - start_wall
         row: Row = {"phase": phase, "completed": last[1] - done_at, "wall_s": round(wall, 3)}
         row["events_per_s"] = round(row["completed"] / wall, 1) if wall > 0 else 0.0
+        elapsed = max(time.time() - start_wall, 1e-9)
+        row["broker_cpu_pct"] = round(100.0 * (self.broker_cpu_s() - cpu_s) / elapsed, 1)
         if e2p:
             row |= {"e2p_events": len(e2p), "e2p_p50_ms": _pct(e2p, 50)}
             row |= {"e2p_p99_ms": _pct(e2p, 99), "e2p_max_ms": round(max(e2p), 2)}
@@ -234,25 +243,26 @@ class Fleet:
 
 
 async def backlog(fleet: Fleet, phase: str, users: IntArray) -> Row:
-    start, done = time.time(), fleet.completed()
+    start, done, cpu = time.time(), fleet.completed(), fleet.broker_cpu_s()
     fleet.send(Job(users))
     if not await fleet.watch(fleet.timeout_s, []):
         raise BrokerError(f"{phase}: {len(users)} events not done in {fleet.timeout_s} s")
     got = await fleet.result()
-    row = fleet.row(phase, start, done, []) | {"events": len(users)}
+    row = fleet.row(phase, start, done, [], cpu) | {"events": len(users)}
     return row | {"producer_events_per_s": round(got["events_per_s"], 1)}
 
 
 async def paced(fleet: Fleet, phase: str, rate: float, users: IntArray, drain_s: float) -> Row:
     start_ms = (time.time() + 0.5) * 1000.0
     ts = (start_ms + np.arange(len(users)) * (1000.0 / rate)).astype(np.int64)
-    done, e2p = fleet.completed(), list[float]()
+    done, e2p, cpu = fleet.completed(), list[float](), fleet.broker_cpu_s()
     fleet.send(Job(users, ts))
     await fleet.watch(fleet.timeout_s, e2p, until=float(ts[-1]) / 1000.0)
     lag = fleet.produced - fleet.completed()
     complete = await fleet.watch(drain_s, e2p)
     got = await fleet.result()
-    row = fleet.row(phase, start_ms / 1000.0, done, e2p) | {"events": len(users), "rate": rate}
+    row = fleet.row(phase, start_ms / 1000.0, done, e2p, cpu)
+    row |= {"events": len(users), "rate": rate}
     kept_up = got["events_per_s"] >= 0.95 * rate
     sustained = complete and kept_up and lag <= _SUSTAINED_LAG_S * rate
     row |= {"producer_events_per_s": round(got["events_per_s"], 1), "lag_at_end": lag}
@@ -265,7 +275,7 @@ async def kill_phase(
     """Paced input; the last child SIGKILLed ``kill_after_s`` in; when is it served again."""
     rate = ns.kill_rate_per_gpu * n
     session_s = ns.session_timeout_ms / 1000.0
-    users = np.resize(drawn, int(rate * (ns.kill_after_s + session_s + 15.0)))
+    users = np.resize(drawn, int(rate * (ns.kill_after_s + kill_tail_s(ns))))
     start_ms = (time.time() + 0.5) * 1000.0
     ts = (start_ms + np.arange(len(users)) * (1000.0 / rate)).astype(np.int64)
     fleet.send(Job(users, ts))
@@ -311,6 +321,12 @@ async def kill_phase(
     }
 
 
+def kill_tail_s(ns: argparse.Namespace) -> float:
+    """How long the kill phase's schedule goes on after the kill: past the session timeout
+    and a rebalance, or nothing would be left to serve when the partitions come back."""
+    return ns.kill_tail_s if ns.kill_tail_s else ns.session_timeout_ms / 1000.0 + 15.0
+
+
 def worker_config(
     bootstrap: str, w: ReferenceWorkload, ns: argparse.Namespace, kv: int, n: int, port: int
 ) -> wc.WorkerConfig:
@@ -338,7 +354,9 @@ def worker_config(
         batching=BatcherConfig(max_batch_users=ns.max_batch_users, max_wait_ms=ns.max_wait_ms),
         scoring=ScoringConfig(num_candidates=w.num_candidates, top_k=20),
         cache=wc.CacheConfig(kv_budget_bytes=kv, block_size=BLOCK_SIZE, host_tier_bytes=0),
-        model=wc.ModelConfig(model_dir=model_dir_for(w), cuda_graphs=not ns.no_cuda_graphs),
+        model=wc.ModelConfig(
+            model_dir=model_dir_for(w, ns.models_dir), cuda_graphs=not ns.no_cuda_graphs
+        ),
         store=wc.StoreConfig(url=ns.store_url),
         http=wc.HttpConfig(host="127.0.0.1", port=port),
         log=wc.LogConfig(format="json", level="INFO"),
@@ -374,6 +392,7 @@ async def run_count(
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     argv = [sys.executable, "-m", "streamrec.tools.cli", "run", "--config", str(file), *which]
     argv.append("--dynamic-members")  # static members keep rebalancing on the dev broker
+    _preflight(env)
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     producer = ctx.Process(
@@ -388,6 +407,8 @@ async def run_count(
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     ports = [port + i for i in range(n)]
     fleet = Fleet(proc, log, ports, conn, reader, EventBook(plan.lengths), ns.timeout_s)
+    if broker.pid is not None:
+        fleet.broker = ProcessSampler(broker.pid)
     rows: list[Row] = []
     try:
         started = time.monotonic()
@@ -438,6 +459,18 @@ async def run_count(
         row["gpus"] = n
     rows[-1]["supervisor_exit_status"] = status
     return rows
+
+
+def _preflight(env: dict[str, str]) -> None:
+    """Fail in a second, not after a timeout, where `streamrec run` cannot start (e.g. a
+    device machine whose Python lacks uvloop: its wheel goes into .whl/)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import uvloop, streamrec.tools.cli, streamrec.worker.app"],
+        env=env, cwd=REPO, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        raise RuntimeError(f"`streamrec run` cannot start with {sys.executable}: {last}")
 
 
 def _backend(metrics: str) -> str:
@@ -495,11 +528,11 @@ async def _run(ns: argparse.Namespace) -> list[Row]:
     throughput = rng.integers(ns.users, size=ns.events).astype(np.int64)
     rates = [(float(r), rng.integers(ns.users, size=int(r * top * ns.seconds)).astype(np.int64))
              for r in ns.rates_per_gpu]  # fmt: skip
-    kill_s = ns.kill_after_s + ns.session_timeout_ms / 1000.0 + 15.0
+    kill_s = ns.kill_after_s + kill_tail_s(ns)
     kill = rng.integers(ns.users, size=int(ns.kill_rate_per_gpu * top * kill_s)).astype(np.int64)
     plan = Plan(lengths, [np.arange(ns.users, dtype=np.int64)], throughput, [*rates, (-1.0, kill)])
     t0 = time.perf_counter()
-    model_dir_for(w)
+    model_dir_for(w, ns.models_dir)
     build_s = time.perf_counter() - t0
     rows: list[Row] = []
     async with DevBroker() as broker:
@@ -526,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain-s", type=float, default=20.0)
     parser.add_argument("--kill-rate-per-gpu", type=float, default=1_000.0)
     parser.add_argument("--kill-after-s", type=float, default=3.0)
+    parser.add_argument("--kill-tail-s", type=float, default=0.0, help="0: session + 15 s")
     parser.add_argument("--no-kill", action="store_true")
     parser.add_argument("--p99-bound-ms", type=float, default=500.0)
     parser.add_argument("--session-timeout-ms", type=int, default=10_000)
@@ -538,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=240.0, help="per wait")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--models-dir", type=Path, default=MODELS_DIR)
     parser.add_argument("--log-dir", type=Path, default=Path(".streamrec-cache/multi-gpu-logs"))
     ns = parser.parse_args(argv)
     if 1 not in ns.counts:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -284,20 +285,27 @@ def supervise(config: WorkerConfig, tmp_path: Path, children: int) -> Supervised
     return Supervised(proc, log)
 
 
-async def owned(port: int) -> set[tuple[str, int]]:
-    """The input partitions a child reports on /metrics (its lag gauge: one series per
-    owned partition, revoked ones removed); empty while it does not answer."""
-
-    def scrape() -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-            return str(resp.read().decode())
-
+def _get(port: int, path: str) -> tuple[int, str]:
     try:
-        text = await asyncio.to_thread(scrape)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as resp:
+            return resp.status, str(resp.read().decode())
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
     except OSError:
-        return set()
+        return 0, ""
+
+
+async def ready(*ports: int) -> bool:
+    """Every child answers /readyz with 200: model loaded and partitions assigned."""
+    return all([(await asyncio.to_thread(_get, port, "/readyz"))[0] == 200 for port in ports])
+
+
+async def owned(port: int) -> set[tuple[str, int]]:
+    """The input partitions a child reports on /metrics: its lag gauge has one series per
+    owned partition that has received records since its assignment (revoked ones are
+    removed), so this sees a partition only once records flow to it."""
     out = set()
-    for line in text.splitlines():
+    for line in (await asyncio.to_thread(_get, port, "/metrics"))[1].splitlines():
         if line.startswith("streamrec_consumer_lag{"):
             labels = dict(
                 kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(",")
@@ -358,11 +366,12 @@ async def test_two_children_share_the_partitions_and_drain_on_sigterm(
     stream = make_stream(topics, 3_000, 120, 0.0, seed=21)
     sup = supervise(config, tmp_path, children=2)
     try:
-        await produce(bootstrap, stream.records[:200])
-        await wait_until(lambda: _split([port, port + 1], every), 120, "both children to serve")
-        await produce(bootstrap, stream.records[200:], rate=1_500)
+        # Both ready: the group's generation holds both, so no rebalance follows (no member
+        # comes or goes) and every partition's records reach an owner that keeps it.
+        await wait_until(lambda: ready(port, port + 1), 120, "both children to be ready")
+        await produce(bootstrap, stream.records, rate=1_500)
         await _all_committed(bootstrap, config.group.group_id, topics)
-        assert await _split([port, port + 1], every)  # still shared, nothing moved
+        assert await _split([port, port + 1], every)
         assert sorted(s.child for s in sup.starts()) == ["cpu0", "cpu1"]
         assert await _stop(sup, config.group.drain_timeout_s) == 0
     finally:
@@ -381,25 +390,28 @@ async def test_a_killed_child_is_restarted_and_gets_partitions_back(
     config = _config(broker, topics, model_dir, store_url)
     bootstrap, port = broker.bootstrap_servers, config.http.port
     every = {(t, p) for t in (topics.playback, topics.interaction) for p in range(4)}
-    stream = make_stream(topics, 5_000, 150, 0.01, seed=23)
+    stream = make_stream(topics, 6_000, 150, 0.01, seed=23)
+    before, after = stream.records[:3_000], stream.records[3_000:]
     sup = supervise(config, tmp_path, children=2)
     try:
-        await produce(bootstrap, stream.records[:200])
-        await wait_until(lambda: _split([port, port + 1], every), 120, "both children to serve")
-        producer = asyncio.create_task(produce(bootstrap, stream.records[200:], rate=1_000))
-        await asyncio.sleep(1.0)
+        await wait_until(lambda: ready(port, port + 1), 120, "both children to be ready")
+        producer = asyncio.create_task(produce(bootstrap, before, rate=1_000))
+        await wait_until(lambda: _split([port, port + 1], every), 60, "both children to serve")
         victim = sup.latest("cpu1")
         assert victim is not None and victim.restarts == 0
         os.kill(victim.pid, signal.SIGKILL)  # mid-stream: its uncommitted work is redone
+        await producer
         await wait_until(
             lambda: (s := sup.latest("cpu1")) is not None and s.restarts == 1,
             30,
             "the supervisor to restart cpu1",
         )
-        await wait_until(lambda: owned(port + 1), 120, "cpu1 to own partitions again")
-        await producer
+        await wait_until(lambda: ready(port + 1), 120, "cpu1 to own partitions again")
+        # Records for 15 s more: past the dead member's session timeout (6 s) and the
+        # rebalance that drops it, so the last assignment's partitions all get records.
+        await produce(bootstrap, after, rate=200)
         await _all_committed(bootstrap, config.group.group_id, topics)
-        await wait_until(lambda: _split([port, port + 1], every), 60, "the group to settle")
+        await wait_until(lambda: _split([port, port + 1], every), 30, "the two to share again")
         assert await _stop(sup, config.group.drain_timeout_s) == 0
     finally:
         sup.proc.kill()
