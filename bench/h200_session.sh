@@ -112,7 +112,7 @@ for stage in "$@"; do
         --batches 1 8 64 --iters 20 --no-compile --out "$OUT/aoti" 2>&1 | grep -v "^W[0-9]" | tail -32
       cp "$OUT/aoti/h200.json" "$OUT/h200_aoti_speedup.json" 2>/dev/null
       python3 -m bench.startup_bench --workload HSTU-8L --out "$OUT" 2>&1 | tail -8 ;;
-    multigpu)  # issue 21, on nvidia-h200-x2: `streamrec run --gpus 0` vs `--gpus 0,1` (one
+    multigpu)  # issue 21, on nvidia-h200-x2: `streamrec run --gpus 1` vs `--gpus 2` (one
       # worker process per GPU, one group), then gpu1 SIGKILLed mid-run; children's logs in $OUT
       timeout 560 python3 -m bench.multi_gpu_bench --config hstu-8l --users 2000 --events 60000 \
         --rates-per-gpu 2000 5000 --seconds 6 --partitions 8 --log-dir "$OUT/multigpu" 2>&1 \

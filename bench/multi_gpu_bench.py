@@ -1,8 +1,8 @@
 r"""Several GPUs of one host (issue 21): the same workload on one and on two GPUs, and a
 child killed mid-run.
 
-The worker runs as it would in production on a multi-GPU node: ``streamrec run --gpus 0``
-and then ``--gpus 0,1`` (streamrec/tools/supervisor.py: one process per GPU, one consumer
+The worker runs as it would in production on a multi-GPU node: ``streamrec run --gpus 1``
+and then ``--gpus 2`` (streamrec/tools/supervisor.py: one process per GPU, one consumer
 group, static member ids), against the dev broker on this host, fed by
 bench/worker_bench.py's producer process (complete playbacks keyed by user, sent in
 per-partition batches off this process's loop). The children are other processes, so the
@@ -387,7 +387,7 @@ async def run_count(
     ns.log_dir.mkdir(parents=True, exist_ok=True)
     file, log = ns.log_dir / f"multi_gpu_{n}.toml", ns.log_dir / f"multi_gpu_{n}.log"
     file.write_text(render_toml(config.to_dict(mask_secrets=False)))
-    which = ["--cpu-children", str(n)] if ns.cpu else ["--gpus", ",".join(map(str, range(n)))]
+    which = ["--cpu-children" if ns.cpu else "--gpus", str(n)]  # the first n GPUs
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMREC_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     argv = [sys.executable, "-m", "streamrec.tools.cli", "run", "--config", str(file), *which]

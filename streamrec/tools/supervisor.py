@@ -133,6 +133,8 @@ def cuda_device_count() -> int:
 def select_gpus(spec: str, device_count: int, visible: str | None) -> list[tuple[int, str]]:
     """``--gpus all|N|LIST`` -> (index as torch counts it, CUDA_VISIBLE_DEVICES value).
 
+    A bare number is a count (the first N GPUs); indices are a comma-separated list, one
+    index alone with a trailing comma (``3,``).
     ``visible`` is the supervisor's own CUDA_VISIBLE_DEVICES: index i is its i-th entry
     (an id, a UUID or a MIG name), so a child sees the GPU the supervisor calls i.
     """
@@ -147,11 +149,14 @@ def select_gpus(spec: str, device_count: int, visible: str | None) -> list[tuple
     elif text.isdigit():
         count = int(text)
         if not 1 <= count <= device_count:
-            raise ConfigError(f"--gpus {spec!r}: must be 1..{device_count} (GPUs visible)")
+            raise ConfigError(
+                f"--gpus {spec!r}: a count must be 1..{device_count} (GPUs visible); "
+                f"GPU {count} alone is --gpus {count},"
+            )
         indices = list(range(count))
     else:
         try:
-            indices = [int(part) for part in text.split(",")]
+            indices = [int(part) for part in text.rstrip(",").split(",")]
         except ValueError:
             raise ConfigError(
                 f"--gpus {spec!r}: expected all, a count, or comma-separated GPU indices"
@@ -402,7 +407,7 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument(
         "--gpus",
         metavar="all|N|LIST",
-        help="supervise one worker per GPU (all, the first N, or indices like 0,2); "
+        help="supervise one worker per GPU (all, the first N, or indices like 0,2 or 3,); "
         "member ids <group_instance_id or host>-gpu<N>, HTTP ports http.port + i",
     )
     which.add_argument(

@@ -60,3 +60,25 @@ def test_multi_gpu_bench_runs_end_to_end_with_two_cpu_children(tmp_path: Path) -
     assert kill["restart_ready_s"] is not None and kill["target_s"] == 11.0
     assert kill["supervisor_exit_status"] == 0  # the restarted child drained too
     assert rows[-1]["phase"] == "scaling_vs_one_gpu" and rows[-1]["throughput_ratio_2"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.broker
+def test_multi_gpu_bench_on_the_gpus_of_this_host(tmp_path: Path) -> None:
+    """The `--gpus` path (CUDA_VISIBLE_DEVICES, model.device = cuda) at small scale: both
+    counts on a two-GPU host, one GPU elsewhere."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    counts = ["1", "2"] if torch.cuda.device_count() >= 2 else ["1"]
+    argv = ["--config", "small", "--counts", *counts, "--users", "64", "--events", "2000"]
+    argv += ["--rates-per-gpu", "500", "--seconds", "2", "--session-timeout-ms", "6000"]
+    argv += ["--kill-after-s", "1", "--kill-tail-s", "12", "--partitions", "4"]
+    argv += ["--results-dir", str(tmp_path), "--log-dir", str(tmp_path / "logs")]
+    assert main([*argv, "--models-dir", str(tmp_path / "models")]) == 0
+    rows = json.loads((tmp_path / "worker_bench_multi_gpu.json").read_text())["rows"]
+    warm = [r for r in rows if r["phase"] == "warm"]
+    assert [r["completed"] for r in warm] == [64] * len(counts)
+    throughput = [r for r in rows if r["phase"] == "throughput"]
+    assert all(r["completed"] == 2000 for r in throughput)

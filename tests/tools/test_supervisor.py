@@ -71,6 +71,7 @@ def test_gpu_selection_counts_lists_and_translates_visible_devices() -> None:
     assert select_gpus("all", 2, None) == [(0, "0"), (1, "1")]
     assert select_gpus("1", 4, None) == [(0, "0")]
     assert select_gpus("3,1", 4, None) == [(3, "3"), (1, "1")]
+    assert select_gpus("2,", 4, None) == [(2, "2")]  # one index: a list of one
     # torch numbers what CUDA_VISIBLE_DEVICES lets through; a child must see that GPU
     assert select_gpus("all", 2, "5,GPU-7f3a") == [(0, "5"), (1, "GPU-7f3a")]
 
@@ -81,7 +82,7 @@ def test_gpu_selection_counts_lists_and_translates_visible_devices() -> None:
         ("all", 0, "no CUDA device is visible"),
         ("2", 0, "--cpu-children N"),
         ("3", 2, "must be 1..2"),
-        ("0", 2, "must be 1..2"),
+        ("0", 2, "GPU 0 alone is --gpus 0,"),
         ("0,0", 2, "distinct"),
         ("0,2", 2, "in 0..1"),
         ("first", 2, "expected all, a count"),
