@@ -60,7 +60,7 @@ from typing import Final
 
 from streamrec.backoff import Backoff
 from streamrec.errors import ConfigError, SupervisorError
-from streamrec.worker.config import ENV_CONFIG_FILE, ENV_PREFIX, WorkerConfig, env_var_name
+from streamrec.worker.config import ENV_PREFIX, WorkerConfig, env_var_name
 from streamrec.worker.logging_setup import configure_logging
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,8 @@ class ChildSpec:
     def environ(self, parent: Mapping[str, str]) -> dict[str, str]:
         """The parent's environment without its streamrec settings, plus this child's
         complete config as ``STREAMREC_*`` variables (the child reads no file)."""
+        # $STREAMREC_CONFIG goes too: the child's config is complete without a file
         env = {k: v for k, v in parent.items() if not k.startswith(ENV_PREFIX)}
-        env.pop(ENV_CONFIG_FILE, None)
         env.update(config_environ(self.config))
         env["CUDA_VISIBLE_DEVICES"] = self.gpu if self.gpu is not None else ""
         return env
