@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|demo|demo-aoti|tiers|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|demo|demo-aoti|tiers|multigpu|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -148,6 +148,12 @@ for stage in "$@"; do
         tests/worker/test_serving_stack.py 2>&1 \
         | tee "$OUT/tiers_gpu_tests.log" | tail -12
       python3 -m bench.tiers_bench --out "$OUT" --disk-dir "${TIERS_DISK_DIR:-$PWD}" 2>&1 | tail -40 ;;
+    multigpu)  # issue 21, on nvidia-h200-x2: `streamrec run --gpus 1` vs `--gpus 2` (one
+      # worker process per GPU, one group), then gpu1 SIGKILLed mid-run; children's logs in $OUT
+      timeout 560 python3 -m bench.multi_gpu_bench --config hstu-8l --users 2000 --events 60000 \
+        --rates-per-gpu 2000 5000 --seconds 6 --partitions 8 --log-dir "$OUT/multigpu" 2>&1 \
+        | tail -24
+      cp bench/results/worker_bench_multi_gpu.json "$OUT/" 2>/dev/null ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"
