@@ -32,12 +32,11 @@ from streamrec.cache.history_backends import open_history_store
 from streamrec.cache.history_store import HistoryStore
 from streamrec.errors import StreamrecError
 from streamrec.pipeline.engine import Engine, EngineConfig
-from streamrec.pipeline.graphed_model import GraphedModel
 from streamrec.pipeline.micro_batcher import MicroBatcher
 from streamrec.worker.checkpoint import Checkpoint
 from streamrec.worker.config import WorkerConfig
 from streamrec.worker.consumer import TP, KafkaInput
-from streamrec.worker.health import Health, HealthState
+from streamrec.worker.health import Health, HealthState, ProbeAnswer
 from streamrec.worker.http_server import HttpServer, Response
 from streamrec.worker.intake import Intake
 from streamrec.worker.log_scoped_store import LogScopedStore
@@ -101,7 +100,11 @@ class App:
         self.http = HttpServer(
             config.http.host,
             config.http.port,
-            {"/metrics": self._metrics_route, "/healthz": self._live, "/readyz": self._ready},
+            {
+                "/metrics": self._metrics_route,
+                "/healthz": lambda: _probe(self.health.live()),
+                "/readyz": lambda: _probe(self.health.ready()),
+            },
         )
         self.loaded = model
         self.engine: Engine | None = None
@@ -325,24 +328,13 @@ class App:
 
     def _metrics_route(self) -> Response:
         if self.engine is not None:
-            store = self._store.stats() if self._store is not None else None
-            self.metrics.sync_caches(self.engine.tiers.stats(), store)
-            if self.engine.catalog is not None:
-                self.metrics.sync_catalog(*self.engine.catalog.stats())
-            self.metrics.sync_engine(self.engine.stats())
-            model = self.engine.step.model
-            if isinstance(model, GraphedModel):
-                self.metrics.sync_graphs(model.stats)
+            self.metrics.sync_serving(self.engine, self._store)
         body, content_type = self.metrics.render()
         return Response(200, body, content_type)
 
-    def _live(self) -> Response:
-        answer = self.health.live()
-        return Response(200 if answer.ok else 503, (answer.reason + "\n").encode())
 
-    def _ready(self) -> Response:
-        answer = self.health.ready()
-        return Response(200 if answer.ok else 503, (answer.reason + "\n").encode())
+def _probe(answer: ProbeAnswer) -> Response:
+    return Response(200 if answer.ok else 503, (answer.reason + "\n").encode())
 
 
 async def _finish(task: asyncio.Task[None], timeout_s: float) -> bool:

@@ -21,14 +21,15 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from streamrec.cache.history_store import HistoryStore
 from streamrec.cache.stats import (
     EmbeddingCacheStats,
     HistoryStoreStats,
     KVTiersStats,
     RetrievalSetStats,
 )
-from streamrec.pipeline.engine import EngineStats
-from streamrec.pipeline.graphed_model import GraphStats
+from streamrec.pipeline.engine import Engine, EngineStats
+from streamrec.pipeline.graphed_model import GraphedModel, GraphStats
 from streamrec.pipeline.micro_batcher import Batch
 
 # Latency buckets from 1 ms to 30 s; batch sizes in powers of two up to 1,024 users.
@@ -266,6 +267,15 @@ class WorkerMetrics:
             spent = total - self._phase_seconds.get(phase, 0.0)
             self._phase_seconds[phase] = total
             self.step_seconds.labels(phase).observe(max(spent, 0.0))
+
+    def sync_serving(self, engine: Engine, store: HistoryStore | None) -> None:
+        """Every gauge read from the serving objects (at each scrape)."""
+        self.sync_caches(engine.tiers.stats(), store.stats() if store is not None else None)
+        if engine.catalog is not None:
+            self.sync_catalog(*engine.catalog.stats())
+        self.sync_engine(engine.stats())
+        if isinstance(engine.step.model, GraphedModel):
+            self.sync_graphs(engine.step.model.stats)
 
     def sync_caches(self, tiers: KVTiersStats, store: HistoryStoreStats | None) -> None:
         """Cache counters per tier from cumulative snapshots.
