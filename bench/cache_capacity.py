@@ -4,7 +4,7 @@ Pure arithmetic (no device needed); ``streamrec bench cache-capacity`` prints th
 Each model appears with its bf16 pool and with an FP8 one (``cache.kv_dtype =
 "fp8_e4m3"``, 1 byte per K/V element: ``HSTU-8L/fp8``).
 
-    .venv/bin/python -m bench.cache_capacity [--gpu-gib 100] [--host-gib 64]
+    .venv/bin/python -m bench.cache_capacity [--gpu-gib 100] [--host-gib 64] [--disk-gib 1800]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def reference_rows(
     gpu_gib: float,
     host_gib: float,
     store_gib: float | None,
+    disk_gib: float | None = None,
     block_sizes: tuple[int, ...] = (16, 32),
     history_lens: tuple[int, ...] = (1000, 2048, 4096),
 ) -> list[tuple[str, int, CapacityRow]]:
@@ -51,6 +52,7 @@ def reference_rows(
                 int(gpu_gib * GIB),
                 int(host_gib * GIB),
                 None if store_gib is None else int(store_gib * GIB),
+                None if disk_gib is None else int(disk_gib * GIB),
             )
             rows.extend((workload.name + suffix, block_size, row) for row in report)
     return rows
@@ -61,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-gib", type=float, default=100.0)
     parser.add_argument("--host-gib", type=float, default=64.0)
     parser.add_argument("--store-gib", type=float, default=64.0, help="history store memory")
+    parser.add_argument("--disk-gib", type=float, default=1800.0, help="local NVMe for KV")
     args = parser.parse_args(argv)
-    rows = reference_rows(args.gpu_gib, args.host_gib, args.store_gib)
+    rows = reference_rows(args.gpu_gib, args.host_gib, args.store_gib, args.disk_gib)
     print(capacity_table(rows))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     records = [{"model": m, "block_size": b, **asdict(r)} for m, b, r in rows]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|demo|demo-aoti|fp8|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|demo|demo-aoti|tiers|multigpu|fp8|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -142,6 +142,18 @@ for stage in "$@"; do
       python3 -m streamrec.tools.cli export --model "$model" --device cuda 2>&1 | tail -4
       STREAMREC_MODEL__REQUIRE_AOTI=true python3 -m streamrec.tools.cli demo --synthetic 2>&1 \
         | tee "$OUT/demo_aoti.txt" | tail -22 ;;
+    tiers)  # issue 20: embedding cache, retrievable set, disk KV tier (~2.5 min)
+      python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/cache/test_embedding_cache.py \
+        tests/cache/test_disk_tier.py tests/pipeline/test_item_catalog.py \
+        tests/worker/test_serving_stack.py 2>&1 \
+        | tee "$OUT/tiers_gpu_tests.log" | tail -12
+      python3 -m bench.tiers_bench --out "$OUT" --disk-dir "${TIERS_DISK_DIR:-$PWD}" 2>&1 | tail -40 ;;
+    multigpu)  # issue 21, on nvidia-h200-x2: `streamrec run --gpus 1` vs `--gpus 2` (one
+      # worker process per GPU, one group), then gpu1 SIGKILLed mid-run; children's logs in $OUT
+      timeout 560 python3 -m bench.multi_gpu_bench --config hstu-8l --users 2000 --events 60000 \
+        --rates-per-gpu 2000 5000 --seconds 6 --partitions 8 --log-dir "$OUT/multigpu" 2>&1 \
+        | tail -24
+      cp bench/results/worker_bench_multi_gpu.json "$OUT/" 2>/dev/null ;;
     fp8)  # issue 18: FP8 gpu tests (kernels, exactness, _scaled_mm, host tier), then the
       # bf16-vs-FP8 bench (capacity, decode/rank kernels at batch 64/256, whole step)
       python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_fp8_attention.py \

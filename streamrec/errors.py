@@ -45,3 +45,7 @@ class BrokerError(StreamrecError):
 
 class PipelineError(StreamrecError):
     """The batcher or engine was used wrongly or has been closed."""
+
+
+class SupervisorError(StreamrecError):
+    """``streamrec run --gpus``: a child cannot be started, or keeps dying at start."""

@@ -73,3 +73,9 @@ def test_no_module_is_longer_than_650_lines() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, long
+
+
+def test_the_worker_app_stays_a_composition_root() -> None:
+    """Issue 16: wiring plus loops; protocols live in their own classes."""
+    lines = len(_modules()["streamrec.worker.app"].read_text().splitlines())
+    assert lines <= 350, lines

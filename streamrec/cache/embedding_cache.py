@@ -1,13 +1,23 @@
-"""Item embeddings: the full table in host memory, the hot rows on the device.
+"""Item embeddings: the full table in host memory, the hot rows in device slots.
 
 A catalogue of tens of millions of items does not fit next to the KV pool, but request
-traffic is heavily skewed, so a fixed slot buffer of hot rows on the device, refreshed in
-least-recently-used order, serves almost every lookup; the cold rows of one lookup are
-gathered on the host and moved in ONE host→device copy. When the whole table fits the
-budget it simply lives on the device and no cache bookkeeping runs.
+traffic is heavily skewed, so a fixed buffer of hot rows on the device serves almost every
+lookup. The serving path translates item rows into slot ids once per model call
+(``slots``) and the model reads its input embeddings from ``rows`` (see
+``HSTU.use_item_rows``); the rows of the misses are gathered on the host into a pinned
+staging buffer and moved in ONE host→device copy per call. When the whole table fits the
+budget it simply lives on the device, ``slots`` is the identity and no bookkeeping runs.
 
-Bookkeeping is NumPy on the host (``slot_of[V]``, ``item_of[S]``, ``last_used[S]``): the
-item indices of a batch are built on the host anyway, so nothing here waits on the GPU.
+The host table need not be pinned (it may be a memory map of the model directory): only
+the staging buffers are, so a 20 GB table costs no pinned memory. Two staging buffers are
+used in turn, so the host only waits for the copy issued two calls ago.
+
+Eviction is CLOCK (second chance) over NumPy arrays: a hit sets the slot's reference bit,
+the hand sweeps a window of slots per fill and takes those whose bit is clear and that the
+current call does not use. That is O(rows of the call) per call; an exact LRU would need an
+O(slots) selection per fill (~10 ms for 2M slots). All lookups and all model calls that
+read ``rows`` must run on one CUDA stream: a later call may overwrite a slot that an earlier
+call's kernels read, and only stream order makes that safe.
 """
 
 from __future__ import annotations
@@ -18,9 +28,11 @@ import torch
 from streamrec.cache.stats import EmbeddingCacheStats
 from streamrec.errors import CacheError, ConfigError
 
+DEFAULT_STAGING_ROWS = 65_536  # per staging buffer; larger misses are copied in chunks
+
 
 class EmbeddingCache:
-    """``lookup(items[N]) -> rows[N, D]`` on the device, over a host ``table[V, D]``."""
+    """``slots(items) -> slot ids`` into ``rows[S, D]`` on the device, over ``table[V, D]``."""
 
     def __init__(
         self,
@@ -29,6 +41,7 @@ class EmbeddingCache:
         *,
         budget_bytes: int | None = None,
         num_slots: int | None = None,
+        staging_rows: int = DEFAULT_STAGING_ROWS,
     ) -> None:
         if table.dim() != 2 or table.device.type != "cpu":
             raise ConfigError(
@@ -39,100 +52,147 @@ class EmbeddingCache:
             raise ConfigError(
                 f"give budget_bytes={budget_bytes} or num_slots={num_slots}, not both"
             )
+        if staging_rows <= 0:
+            raise ConfigError(f"staging_rows={staging_rows} must be > 0")
         self.device = torch.device(device)
         num_items, dim = table.shape
-        row_bytes = dim * table.element_size()
+        self.row_bytes = dim * table.element_size()
         if budget_bytes is not None:
-            num_slots = budget_bytes // row_bytes
+            num_slots = budget_bytes // self.row_bytes
         slots = num_items if num_slots is None else min(int(num_slots), num_items)
         if slots <= 0:
             raise ConfigError(
                 f"embedding cache holds no row: num_slots={num_slots} budget={budget_bytes} "
-                f"row_bytes={row_bytes}"
+                f"row_bytes={self.row_bytes}"
             )
         self.num_items, self.dim, self.num_slots = num_items, dim, slots
         self.fully_resident = slots == num_items
-        on_cuda = self.device.type == "cuda"
-        self._hits = self._misses = self._evictions = self._bytes_copied = 0
+        self._lookups = self._misses = self._evictions = self._bytes_copied = self._copies = 0
         self._clock = 0
-        self._copy_done: torch.cuda.Event | None = None
+        self._host = table.contiguous()  # [V, D]; pageable or memory-mapped is fine
         if self.fully_resident:
             self.rows = table.to(self.device)  # [V, D]
-            self._host = table
-            self._staging = table[:0]
             self._bytes_copied = table.nbytes
             return
-        self._host = table.pin_memory() if on_cuda else table  # [V, D]
+        on_cuda = self.device.type == "cuda"
         self.rows = torch.zeros((slots, dim), dtype=table.dtype, device=self.device)  # [S, D]
-        self._staging = torch.empty((slots, dim), dtype=table.dtype, pin_memory=on_cuda)
-        self._slot_of = np.full(num_items, -1, dtype=np.int64)  # item -> slot
+        rows = min(staging_rows, slots)
+        self._staging = [
+            torch.empty((rows, dim), dtype=table.dtype, pin_memory=on_cuda) for _ in range(2)
+        ]  # 2 x [R, D]
+        self._copy_done: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self._slot_of = np.full(num_items, -1, dtype=np.int32)  # item -> slot
         self._item_of = np.full(slots, -1, dtype=np.int64)  # slot -> item
-        self._last_used = np.full(slots, -1, dtype=np.int64)  # slot -> clock of last use
+        self._ref = np.zeros(slots, dtype=bool)  # CLOCK reference bit
+        self._stamp = np.full(slots, -1, dtype=np.int64)  # clock of the call that last used it
+        self._hand = 0
+        self._resident = 0
+        if on_cuda:  # the zero fill must land before another stream's first copy
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # ------------------------------------------------------------------ lookups
+
+    def slots(self, items: np.ndarray) -> np.ndarray:
+        """Slot ids (int64, ``items``' shape) of item rows; cold rows are copied in first."""
+        idx = np.asarray(items, dtype=np.int64)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.num_items):
+            bad = idx[(idx < 0) | (idx >= self.num_items)].flat[0]
+            raise CacheError(f"item index {bad} outside the table of {self.num_items} rows")
+        self._lookups += idx.size
+        if self.fully_resident:
+            return idx
+        flat = idx.reshape(-1)
+        self._clock += 1
+        slots = self._slot_of[flat].astype(np.int64)  # [N]
+        hit = slots >= 0
+        used = slots[hit]
+        self._ref[used] = True
+        self._stamp[used] = self._clock
+        if not hit.all():
+            missing = np.unique(flat[~hit])
+            self._fill(missing)
+            slots[~hit] = self._slot_of[flat[~hit]]
+        return slots.reshape(idx.shape)
 
     def lookup(self, items: torch.Tensor) -> torch.Tensor:
-        """Rows of ``items[N]`` (int64 indices) as ``[N, D]`` on the device."""
-        flat = items.reshape(-1)
-        if self.fully_resident:
-            self._hits += flat.numel()  # every row is a hit; counting distinct would sync
-            return self.rows.index_select(0, flat.to(self.device)).reshape(*items.shape, self.dim)
-        idx = flat.cpu().numpy().astype(np.int64, copy=False)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.num_items):
-            bad = idx[(idx < 0) | (idx >= self.num_items)][0]
-            raise CacheError(f"item index {bad} outside the table of {self.num_items} rows")
-        uniq, inverse = np.unique(idx, return_inverse=True)
-        if uniq.size > self.num_slots:
-            raise CacheError(
-                f"lookup of {uniq.size} distinct items exceeds the {self.num_slots} device slots"
-            )
-        self._clock += 1
-        slots = self._slot_of[uniq]  # [U]
-        hit = slots >= 0
-        self._last_used[slots[hit]] = self._clock
-        missing = uniq[~hit]
-        self._hits += int(hit.sum())
-        self._misses += int(missing.size)
-        if missing.size:
-            slots[~hit] = self._fill(missing)
-        index = torch.from_numpy(slots[inverse]).to(self.device)  # [N]
+        """Rows of ``items[...]`` (int64 item indices) as ``[..., D]`` on the device."""
+        slots = self.slots(items.cpu().numpy())
+        index = torch.from_numpy(np.ascontiguousarray(slots).reshape(-1)).to(self.device)
         return self.rows.index_select(0, index).reshape(*items.shape, self.dim)
 
-    def _fill(self, missing: np.ndarray) -> np.ndarray:
-        """Load ``missing`` items into the least recently used slots; their slots."""
-        m = missing.size
-        # Slots used in this lookup carry the current clock, so they are never chosen.
-        if m < self.num_slots:
-            victims = np.sort(np.argpartition(self._last_used, m - 1)[:m])
-        else:
-            victims = np.arange(self.num_slots)
+    # ------------------------------------------------------------------ fills
+
+    def _fill(self, missing: np.ndarray) -> None:
+        """Load ``missing`` (distinct) items into victim slots chosen by the CLOCK hand."""
+        victims = self._victims(missing.size)
         old = self._item_of[victims]
         evicted = old[old >= 0]
         self._evictions += int(evicted.size)
+        self._resident += int(missing.size - evicted.size)
         self._slot_of[evicted] = -1
         self._slot_of[missing] = victims
         self._item_of[victims] = missing
-        self._last_used[victims] = self._clock
-        if self._copy_done is not None:
-            self._copy_done.synchronize()  # the previous copy still reads the staging rows
-        staging = self._staging[:m]
-        torch.index_select(self._host, 0, torch.from_numpy(missing), out=staging)
-        cold = staging.to(self.device, non_blocking=True)  # ONE host -> device copy
-        self.rows.index_copy_(0, torch.from_numpy(victims).to(self.device), cold)
+        self._ref[victims] = True
+        self._stamp[victims] = self._clock
+        self._misses += int(missing.size)
+        step = self._staging[0].shape[0]
+        for lo in range(0, missing.size, step):
+            self._copy(missing[lo : lo + step], victims[lo : lo + step])
+
+    def _victims(self, m: int) -> np.ndarray:
+        """``m`` slots whose reference bit is clear and that this call does not use."""
+        size = self.num_slots
+        taken: list[np.ndarray] = []
+        swept = 0
+        while m > 0:
+            if swept > 2 * size:
+                raise CacheError(
+                    f"one call needs {m} more embedding slots than the {size} it may evict: "
+                    "raise cache.embedding_cache_rows above the rows of the largest model call"
+                )
+            width = min(size, max(2 * m, 1024))
+            window = (self._hand + np.arange(width)) % size
+            free = ~self._ref[window] & (self._stamp[window] != self._clock)
+            picked = np.flatnonzero(free)[:m]
+            end = int(picked[-1]) + 1 if picked.size == m else width
+            self._ref[window[:end]] = False  # second chance spent for every slot swept
+            taken.append(window[picked])
+            self._stamp[window[picked]] = self._clock  # a wrapped sweep must not retake it
+            m -= picked.size
+            self._hand = (self._hand + end) % size
+            swept += end
+        return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
+
+    def _copy(self, items: np.ndarray, slots: np.ndarray) -> None:
+        """Gather ``items`` on the host into a staging buffer, then one host→device copy."""
+        turn = self._turn
+        self._turn ^= 1
+        done = self._copy_done[turn]
+        if done is not None:
+            done.synchronize()  # the copy issued two calls ago still reads this buffer
+        staging = self._staging[turn][: items.size]
+        torch.index_select(self._host, 0, torch.from_numpy(items), out=staging)
+        cold = staging.to(self.device, non_blocking=True)  # [m, D]
+        self.rows.index_copy_(0, torch.from_numpy(slots).to(self.device), cold)
         if self.device.type == "cuda":
-            self._copy_done = torch.cuda.Event()
-            self._copy_done.record()
+            event = torch.cuda.Event()
+            event.record()
+            self._copy_done[turn] = event
+        self._copies += 1
         self._bytes_copied += staging.nbytes
-        return victims
 
     def stats(self) -> EmbeddingCacheStats:
-        resident = self.num_items if self.fully_resident else int((self._item_of >= 0).sum())
+        resident = self.num_items if self.fully_resident else self._resident
         return EmbeddingCacheStats(
             num_items=self.num_items,
             num_slots=self.num_slots,
             resident=resident,
             fully_resident=self.fully_resident,
-            hits=self._hits,
+            lookups=self._lookups,
             misses=self._misses,
             evictions=self._evictions,
+            copies=self._copies,
             bytes_copied=self._bytes_copied,
             device_bytes=self.rows.nbytes,
         )

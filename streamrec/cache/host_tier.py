@@ -21,7 +21,7 @@ GPU block does: half of a bf16 one.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +39,21 @@ class _HostEntry:
     ready: torch.cuda.Event | None  # set on CUDA: the device->host copy has finished
 
 
-def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+@dataclass(frozen=True)
+class HostCopy:
+    """Where one user's host copy lives: the tier's tensors and the user's block ids.
+
+    Valid until the user leaves the host tier; the disk tier writes files from it.
+    """
+
+    kv: torch.Tensor  # the tier's whole kv[NBh, Lyr, 2, BS, H, d]
+    ts: torch.Tensor  # the tier's whole ts[NBh, BS]
+    blocks: tuple[int, ...]
+    length: int
+    ready: torch.cuda.Event | None  # wait on it before reading (the device->host copy)
+
+
+def block_runs(ids: list[int]) -> list[tuple[int, int, int]]:
     """``(index in ids, first id, count)`` for each run of consecutive ids."""
     runs: list[tuple[int, int, int]] = []
     for i, block in enumerate(ids):
@@ -120,24 +134,45 @@ class HostTier:
         if user in self._entries:
             self.drop(user)
         n = len(gpu_blocks)
-        droppable = [u for u in self._entries if u not in keep]
-        reclaimable = sum(len(self._entries[u].blocks) for u in droppable)
-        if len(self._free) + reclaimable < n:
+        dropped = self.plan_room(n, keep)
+        if dropped is None:
             self._drops += 1
             return [user]
-        dropped: list[UserKey] = []
-        for victim in droppable:
-            if len(self._free) >= n:
-                break
-            self.drop(victim)
-            self._drops += 1
-            dropped.append(victim)
+        for victim in dropped:
+            self.evict(victim)
         host_blocks = [self._free.popleft() for _ in range(n)]
         ready = self._copy_out(gpu_blocks, host_blocks) if n else None
         self._entries[user] = _HostEntry(host_blocks, length, ready)
         self._offloads += 1
         self._bytes_out += n * self.cache.config.bytes_per_block
         return dropped
+
+    def plan_room(self, n_blocks: int, keep: Collection[UserKey] = ()) -> list[UserKey] | None:
+        """Users to evict, oldest first, so ``n_blocks`` are free; None if impossible."""
+        free = len(self._free)
+        victims: list[UserKey] = []
+        for user, entry in self._entries.items():
+            if free >= n_blocks:
+                break
+            if user not in keep:
+                victims.append(user)
+                free += len(entry.blocks)
+        return victims if free >= n_blocks else None
+
+    def evict(self, user: UserKey) -> None:
+        """Leave the tier to make room (counted in ``drops``; the disk tier may keep it)."""
+        self._entry(user)
+        self.drop(user)
+        self._drops += 1
+
+    def snapshot(self, user: UserKey) -> HostCopy:
+        entry = self._entry(user)
+        return HostCopy(self.kv, self.ts, tuple(entry.blocks), entry.length, entry.ready)
+
+    def lru_tail(self) -> Iterator[tuple[UserKey, int]]:
+        """``(user, blocks)`` from the least recently offloaded on (lazily: stop early)."""
+        for user, entry in self._entries.items():
+            yield user, len(entry.blocks)
 
     def onload(self, user: UserKey, gpu_blocks: list[int]) -> int:
         """Copy a user's blocks back into ``gpu_blocks`` and forget it here; its length."""
@@ -209,7 +244,7 @@ class HostTier:
         return ready
 
     def _scatter_runs(self, host_blocks: list[int], kv: torch.Tensor, ts: torch.Tensor) -> None:
-        for i, first, count in _runs(host_blocks):
+        for i, first, count in block_runs(host_blocks):
             raw(self.kv)[first : first + count].copy_(kv[i : i + count], non_blocking=True)
             self.ts[first : first + count].copy_(ts[i : i + count], non_blocking=True)
 
@@ -221,7 +256,7 @@ class HostTier:
         host = raw(self.kv)
         kv = torch.empty((n, *host.shape[1:]), dtype=host.dtype, device=cache.device)
         ts = torch.empty((n, cache.block_size), dtype=torch.int64, device=cache.device)
-        for i, first, count in _runs(entry.blocks):
+        for i, first, count in block_runs(entry.blocks):
             kv[i : i + count].copy_(host[first : first + count], non_blocking=True)
             ts[i : i + count].copy_(self.ts[first : first + count], non_blocking=True)
         ids = torch.tensor(gpu_blocks, dtype=torch.int64, device=cache.device)

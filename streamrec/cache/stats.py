@@ -56,8 +56,39 @@ class HostTierStats:
 
 
 @dataclass(frozen=True)
+class DiskTierStats:
+    """Disk (file-backed) tier behind the host tier."""
+
+    budget_bytes: int
+    bytes_used: int
+    users: int  # files held (users only on disk plus written host users)
+    writes: int  # files completely written
+    bytes_written: int
+    write_failures: int  # I/O errors while writing: the user is forgotten, never half-read
+    sync_writes: int  # host drops that had to wait for (or do) the write themselves
+    evictions: int  # files deleted to make room (a user only on disk is then gone)
+    rejects: int  # writes refused: nothing idle left to delete
+    prefetches: int  # reads started ahead of the step
+    late_reads: int  # reads the step itself had to start (no prefetch, or no free slot)
+    waited_reads: int  # loads that found their read unfinished or not started
+    loads: int  # users copied disk -> GPU
+    bytes_read: int
+    read_seconds: float  # from read start to its last chunk, summed over loads
+    verify_failures: int  # torn, truncated, foreign or stale files: answered as misses
+    staging_full: int  # prefetches refused for want of a staging slot
+
+    @property
+    def occupancy(self) -> float:
+        return _ratio(self.bytes_used, self.budget_bytes)
+
+    @property
+    def read_gb_s(self) -> float:
+        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
 class KVTiersStats:
-    """Outcome counters of the GPU + host facade, plus the two tiers' own stats."""
+    """Outcome counters of the GPU + host + disk facade, plus each tier's own stats."""
 
     gpu_hits: int
     host_hits: int
@@ -65,10 +96,13 @@ class KVTiersStats:
     no_room: int  # ensure_room calls that could not be satisfied
     pool: BlockPoolStats
     host: HostTierStats | None
+    disk_hits: int = 0
+    disk: DiskTierStats | None = None
 
     @property
     def hit_rate(self) -> float:
-        return _ratio(self.gpu_hits + self.host_hits, self.gpu_hits + self.host_hits + self.misses)
+        hits = self.gpu_hits + self.host_hits + self.disk_hits
+        return _ratio(hits, hits + self.misses)
 
 
 @dataclass(frozen=True)
@@ -91,17 +125,26 @@ class HistoryStoreStats:
 
 @dataclass(frozen=True)
 class EmbeddingCacheStats:
-    """Item-embedding cache: hot rows on the device, full table in host memory."""
+    """Item-embedding cache: hot rows in device slots, the full table in host memory.
+
+    A lookup is one item row asked for by a model call (a token or a candidate); a miss is
+    one distinct row copied host -> device, so ``bytes_copied`` is misses x row bytes.
+    """
 
     num_items: int
     num_slots: int  # rows the device holds (== num_items when fully resident)
     resident: int
     fully_resident: bool
-    hits: int  # distinct items per lookup found on the device
-    misses: int
+    lookups: int
+    misses: int  # distinct rows copied in, per call
     evictions: int
+    copies: int  # host -> device copy calls (one per model call with misses, or chunk)
     bytes_copied: int  # host -> device bytes for cold rows
     device_bytes: int
+
+    @property
+    def hits(self) -> int:
+        return self.lookups - self.misses
 
     @property
     def occupancy(self) -> float:
@@ -109,4 +152,23 @@ class EmbeddingCacheStats:
 
     @property
     def hit_rate(self) -> float:
-        return _ratio(self.hits, self.hits + self.misses)
+        return _ratio(self.hits, self.lookups)
+
+
+@dataclass(frozen=True)
+class RetrievalSetStats:
+    """The retrievable set: the items retrieval scores when the catalogue does not fit."""
+
+    size: int
+    num_items: int
+    events: int  # new events observed
+    events_in_set: int  # of those, events whose item was a member at the time
+    refreshes: int
+    swapped: int  # items that entered the set by refreshes (cumulative)
+    last_refresh_s: float
+    device_bytes: int
+
+    @property
+    def coverage(self) -> float:
+        """Share of observed events whose item retrieval could have returned."""
+        return _ratio(self.events_in_set, self.events)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from streamrec.errors import ConfigError, ModelError
@@ -145,3 +145,22 @@ def load_checkpoint(
     target = DTYPES[dtype or config.dtype]
     model = model.to(device=device, dtype=target).eval()
     return Checkpoint(model=model, vocab=vocab, version=version, path=src, meta=meta)
+
+
+ITEM_TABLE = "item_emb.weight"
+
+
+def load_item_table(path: Path | str, dtype: torch.dtype) -> torch.Tensor:
+    """The item rows ``[V, D]`` of a model directory on the host, as the serving dtype.
+
+    Memory-mapped from ``weights.safetensors`` when stored in ``dtype`` (a 20 GB table
+    then costs page cache, not process memory); converted in memory otherwise. The
+    embedding cache gathers its cold rows from it.
+    """
+    file = Path(path) / WEIGHTS
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            table = handle.get_tensor(ITEM_TABLE)
+    except (OSError, SafetensorError) as exc:
+        raise ModelError(f"cannot read {ITEM_TABLE} from {file}: {exc}") from exc
+    return table if table.dtype == dtype else table.to(dtype)

@@ -419,6 +419,19 @@ class HSTU(nn.Module):
         user = F.normalize(self.norm_out(x), dim=-1)
         return user, None if xc is None else self.task_head(self.norm_out(xc))
 
+    def use_item_rows(self, rows: torch.Tensor) -> None:
+        """Read input item embeddings from ``rows[S, D]``, shared, not copied.
+
+        For catalogues past the GPU budget: ``rows`` are the embedding cache's device
+        slots, and the item arguments of ``prefill``/``extend``/``rank`` become slot ids
+        (cache.EmbeddingCache.slots). ``item_table``/``retrieve`` then see the slots, not
+        the catalogue: retrieval goes through a cache.RetrievalSet. Bind before CUDA-graph
+        capture; the cache updates ``rows`` in place, so captured graphs stay valid.
+        """
+        if rows.dim() != 2 or rows.shape[1] != self.config.d_model:
+            raise ModelError(f"item rows must be [S, {self.config.d_model}], got {rows.shape}")
+        self.item_emb.weight = nn.Parameter(rows, requires_grad=False)
+
     def item_table(self) -> torch.Tensor:
         """Normalised item rows [num_items, D]: the retrieval side of the cosine score."""
         return F.normalize(self.item_emb.weight, dim=-1)

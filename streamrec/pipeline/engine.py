@@ -39,6 +39,7 @@ from streamrec.cache.kv_tiers import CacheOutcome, KVTiers
 from streamrec.errors import PipelineError, StoreError
 from streamrec.models.vocabulary import ItemVocabulary
 from streamrec.pipeline.delta import UserDelta
+from streamrec.pipeline.item_catalog import ItemCatalog
 from streamrec.pipeline.micro_batcher import Batch
 from streamrec.pipeline.model_step import ModelStep, StepTimings, UserOutput, UserWork
 from streamrec.pipeline.scorer import Scorer
@@ -76,6 +77,7 @@ class PreparedBatch:
     batch: Batch
     work: list[UserWork]
     io_seconds: dict[str, float]  # append, history_get (event-loop time)
+    new_items: np.ndarray | None = None  # [events] item rows: the catalogue's popularity
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class EngineStats:
     events: int = 0
     gpu_hits: int = 0
     host_hits: int = 0
+    disk_hits: int = 0
     misses: int = 0
     rebuilds_after_redelivery: int = 0
     rebuilds_after_burst: int = 0
@@ -133,16 +136,18 @@ class Engine:
         vocab: ItemVocabulary,
         task_names: Sequence[str],
         config: EngineConfig,
+        catalog: ItemCatalog | None = None,
     ) -> None:
         self.config = config
         self.tiers = tiers
+        self.catalog = catalog  # the item table past the GPU budget (issue 20)
         self.store = store
         self.vocab = vocab
         self.device = tiers.cache.device
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
-        self.scorer = Scorer(model, tiers.cache, config.scoring, task_names)
-        self.step = ModelStep(model, tiers, self.scorer, self.device)
+        self.scorer = Scorer(model, tiers.cache, config.scoring, task_names, catalog=catalog)
+        self.step = ModelStep(model, tiers, self.scorer, self.device, catalog=catalog)
         self._external = vocab.external_ids()  # [rows] item id per row, for the output
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="streamrec-engine")
         self._users: dict[str, _UserState] = {}
@@ -181,12 +186,18 @@ class Engine:
                 if len(history):
                     work.append(self._rebuild_work(user, history, tps[user]))
         get_s = time.perf_counter() - get_start
-        return PreparedBatch(batch, work, {"append": append_s, "history_get": get_s})
+        new_items = None
+        if self.catalog is not None and tokens:
+            new_items = np.concatenate([t[:, 0] for t in tokens.values()])
+        io = {"append": append_s, "history_get": get_s}
+        return PreparedBatch(batch, work, io, new_items)
 
     async def execute(self, prepared: PreparedBatch) -> BatchResult:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        outputs, timings = await loop.run_in_executor(self._executor, self._run_step, prepared.work)
+        outputs, timings = await loop.run_in_executor(
+            self._executor, self._run_step, prepared.work, prepared.new_items
+        )
         busy = timings.wall
         if timings.lost:
             self._stats.rebuilds_after_loss += len(timings.lost)
@@ -224,6 +235,9 @@ class Engine:
     async def close(self) -> None:
         self._closing = True
         self._executor.shutdown(wait=True)
+        self.tiers.close()  # the disk tier's threads and files
+        if self.catalog is not None:
+            self.catalog.close()
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -234,6 +248,7 @@ class Engine:
         self, batch: Batch, tokens: dict[str, np.ndarray], appended: AppendResult
     ) -> tuple[list[UserWork], list[str]]:
         where = self.tiers.resolve(ud.user_id for ud in batch.users)
+        self.tiers.prefetch(u for u, w in where.items() if w is CacheOutcome.DISK_HIT)
         work: list[UserWork] = []
         rebuild: list[str] = []
         keep = self.config.scoring.exclude_recent
@@ -267,17 +282,26 @@ class Engine:
         self._users[user] = _UserState(history.total_appended, work.recent, known | tps)
         return work
 
-    def _run_step(self, work: list[UserWork]) -> tuple[list[UserOutput], StepTimings]:
+    def _run_step(
+        self, work: list[UserWork], new_items: np.ndarray | None = None
+    ) -> tuple[list[UserOutput], StepTimings]:
         with torch.inference_mode():
             if self._stream is None:
-                outputs, timings = self.step.run(work)
+                outputs, timings = self._step(work, new_items)
             else:
                 with torch.cuda.stream(self._stream):
-                    outputs, timings = self.step.run(work)
+                    outputs, timings = self._step(work, new_items)
                 self._stream.synchronize()
         for user in timings.dropped:  # gone from every tier: next time is a rebuild
             self._users.pop(user, None)
         return outputs, timings
+
+    def _step(
+        self, work: list[UserWork], new_items: np.ndarray | None
+    ) -> tuple[list[UserOutput], StepTimings]:
+        if self.catalog is not None and new_items is not None:
+            self.catalog.observe(new_items)  # may apply a set refresh: engine stream
+        return self.step.run(work)
 
     def _drop(self, users: list[str]) -> None:
         self.tiers.drop(users)
@@ -353,6 +377,8 @@ class Engine:
                 s.gpu_hits += 1
             elif out.outcome is CacheOutcome.HOST_HIT:
                 s.host_hits += 1
+            elif out.outcome is CacheOutcome.DISK_HIT:
+                s.disk_hits += 1
             else:
                 s.misses += 1
         s.tokens_prefilled += timings.tokens_prefilled

@@ -21,6 +21,7 @@ from streamrec.cache.history_store import History
 from streamrec.cache.kv_cache import to_device
 from streamrec.cache.kv_tiers import Admission, CacheOutcome, KVTiers
 from streamrec.errors import PipelineError
+from streamrec.pipeline.item_catalog import ItemCatalog
 from streamrec.pipeline.phase_timer import PhaseTimer
 from streamrec.pipeline.scorer import ScoredUsers, Scorer
 from streamrec.pipeline.serving_model import ServingModel
@@ -107,11 +108,13 @@ class ModelStep:
         tiers: KVTiers,
         scorer: Scorer,
         device: torch.device,
+        catalog: ItemCatalog | None = None,
     ) -> None:
         self.model = model
         self.tiers = tiers
         self.scorer = scorer
         self.device = device
+        self.catalog = catalog  # set: item rows become embedding-cache slots per call
 
     def run(self, work: Sequence[UserWork]) -> tuple[list[UserOutput], StepTimings]:
         timings = StepTimings()
@@ -126,7 +129,7 @@ class ModelStep:
         start = time.perf_counter()
         rebuild = [w.user_id for w in work if w.prefill]
         self.tiers.drop(rebuild)  # a stale entry must not survive a rebuild
-        where = self.tiers.resolve(w.user_id for w in work if not w.prefill)
+        where = self.tiers.settle(w.user_id for w in work if not w.prefill)  # disk: verified
         lost = {user for user, outcome in where.items() if outcome is CacheOutcome.MISS}
         if lost:
             timings.lost.extend(sorted(lost))
@@ -191,7 +194,9 @@ class ModelStep:
         ]
 
     def _jagged(self, work: list[UserWork]) -> tuple[torch.Tensor, ...]:
-        tokens = np.concatenate([w.tokens for w in work])  # [T, 3]
+        tokens = np.concatenate([w.tokens for w in work])  # [T, 3], a fresh array
+        if self.catalog is not None:
+            tokens[:, 0] = self.catalog.slots(tokens[:, 0])
         lengths = np.fromiter((w.tokens.shape[0] for w in work), np.int64, len(work))
         offsets = np.zeros(len(work) + 1, dtype=np.int64)  # [B+1]
         np.cumsum(lengths, out=offsets[1:])

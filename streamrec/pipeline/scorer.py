@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ from streamrec.cache.kv_cache import KVCache, to_device
 from streamrec.errors import ConfigError
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
+
+if TYPE_CHECKING:
+    from streamrec.pipeline.item_catalog import ItemCatalog
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Scorer:
         cache: KVCache,
         config: ScoringConfig,
         task_names: Sequence[str],
+        catalog: ItemCatalog | None = None,
     ) -> None:
         unknown = sorted(set(config.task_weights) - set(task_names))
         if unknown:
@@ -42,6 +47,14 @@ class Scorer:
         self.task_names = tuple(task_names)
         weights = [float(config.task_weights.get(name, 0.0)) for name in self.task_names]
         self._weights = torch.tensor(weights, dtype=torch.float32, device=cache.device)  # [tasks]
+        # Past the GPU budget: retrieval over the retrievable set, rank inputs as slots.
+        self.catalog = catalog
+        pool = config.num_candidates or config.top_k
+        if catalog is not None and catalog.size < pool:
+            raise ConfigError(
+                f"the retrievable set holds {catalog.size} items, fewer than the {pool} "
+                "candidates retrieval must return"
+            )
 
     def score(
         self,
@@ -60,9 +73,12 @@ class Scorer:
         for row, rows in enumerate(recent):
             exclude[row, : len(rows)] = rows
         pool = cfg.num_candidates or cfg.top_k
-        ret_scores, ret_items = self.model.retrieve(
-            user_emb, pool, to_device(exclude, device)
-        )  # [B, pool] each
+        if self.catalog is None:
+            ret_scores, ret_items = self.model.retrieve(
+                user_emb, pool, to_device(exclude, device)
+            )  # [B, pool] each
+        else:
+            ret_scores, ret_items = self.catalog.retrieve(user_emb, pool, exclude)
         mark("retrieve")
         if not cfg.num_candidates:
             out = ScoredUsers(
@@ -74,8 +90,9 @@ class Scorer:
             return out
         tables, lens = self.cache.batch_tables(list(users))  # [B, MB], [B]
         ts = to_device(np.asarray(query_ts, dtype=np.int64), device)  # [B]
+        cands = ret_items if self.catalog is None else self.catalog.candidate_slots(ret_items)
         probs = self.model.rank(
-            ret_items, ts, self.cache.kv, self.cache.ts, tables, lens
+            cands, ts, self.cache.kv, self.cache.ts, tables, lens
         ).float()  # [B, pool, tasks]
         combined = probs @ self._weights  # [B, pool]
         top_scores, order = torch.topk(combined, cfg.top_k, dim=1)  # [B, top_k]

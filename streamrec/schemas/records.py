@@ -43,6 +43,7 @@ class CacheOutcome(enum.StrEnum):
 
     GPU_HIT = "gpu_hit"
     HOST_HIT = "host_hit"
+    DISK_HIT = "disk_hit"  # read back from the disk tier
     MISS = "miss"  # prefilled from the history store
 
 

@@ -34,6 +34,7 @@ from streamrec.tools.config_flags import (
     config_overrides,
     effective_config,
 )
+from streamrec.tools.supervisor import add_supervisor_arguments, run_supervised, supervising
 from streamrec.worker.config import DEVICES, HttpConfig, config_fields
 
 EXIT_OK: Final = 0
@@ -113,7 +114,10 @@ def _check_port_free(http: HttpConfig) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """The worker until SIGTERM/SIGINT (then drain, flush, commit, exit 0)."""
+    """The worker until SIGTERM/SIGINT (then drain, flush, commit, exit 0); with ``--gpus``
+    (or ``--cpu-children``) a supervisor of one such worker per GPU."""
+    if supervising(args):
+        return run_supervised(effective_config(args), args)
     import signal
 
     import uvloop
@@ -312,6 +316,7 @@ def _add_data_flags(parser: argparse.ArgumentParser) -> None:
 
 def _build_run(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser, WORKER_FLAGS)
+    add_supervisor_arguments(parser)
     parser.set_defaults(handler=_run)
 
 

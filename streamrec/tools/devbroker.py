@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import tempfile
 import time
@@ -30,7 +29,6 @@ from streamrec.errors import BrokerError
 
 _T = TypeVar("_T")
 
-_METADATA_KEY = 3
 _TOPIC_ALREADY_EXISTS = 36
 _LOG_TAIL_BYTES = 2_000
 
@@ -69,59 +67,37 @@ def free_port(host: str = "127.0.0.1", port: int = 0) -> int:
 
 
 def _cluster_id(host: str, port: int, timeout_s: float) -> str | None:
-    """The cluster id that the broker on ``host:port`` reports (Metadata v2), or None.
+    """The cluster id that the broker on ``host:port`` reports, or None.
 
     A bare TCP connect is not enough: the listener opens before the broker serves, and
-    the id tells our broker from another one that answered on the same port.
+    the id tells our broker from another one that answered on the same port. Asked
+    through aiokafka's admin ``describe_cluster`` (a Metadata request).
     """
-    client_id = b"streamrec-devbroker"
-    # header: api_key=3 (Metadata), version 2, correlation id, client id; body: 0 topics
-    request = struct.pack(">hhih", _METADATA_KEY, 2, 7, len(client_id)) + client_id
-    request += struct.pack(">i", 0)
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.sendall(struct.pack(">i", len(request)) + request)
-            size_bytes = _recv_exact(sock, 4)
-            if size_bytes is None:
-                return None
-            payload = _recv_exact(sock, struct.unpack(">i", size_bytes)[0])
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.errors import KafkaError
+
+    async def ask() -> str | None:
+        admin = AIOKafkaAdminClient(
+            bootstrap_servers=f"{host}:{port}",
+            client_id="streamrec-devbroker",
+            request_timeout_ms=max(int(timeout_s * 1000), 100),
+        )
+        try:
+            await asyncio.wait_for(admin.start(), timeout_s)
+            found = (await asyncio.wait_for(admin.describe_cluster(), timeout_s)).get("cluster_id")
+            return found if isinstance(found, str) else None
+        finally:
+            with contextlib.suppress(Exception):
+                await admin.close()
+
+    try:  # nobody listening yet: no admin client, whose connect failures log ERRORs
+        socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError:
         return None
-    if payload is None:
-        return None
     try:
-        return _parse_metadata_v2_cluster_id(payload)
-    except struct.error:
+        return _run_blocking(ask())
+    except (TimeoutError, KafkaError, OSError):
         return None
-
-
-def _parse_metadata_v2_cluster_id(payload: bytes) -> str | None:
-    # v2 layout: correlation id, brokers [id, host, port, rack?], cluster_id?, ... (no
-    # throttle time before v3)
-    correlation_id, n_brokers = struct.unpack_from(">ii", payload, 0)
-    if correlation_id != 7:
-        return None
-    pos = 8
-    for _ in range(n_brokers):
-        pos += 4  # node id
-        (host_len,) = struct.unpack_from(">h", payload, pos)
-        pos += 2 + host_len + 4  # host, port
-        (rack_len,) = struct.unpack_from(">h", payload, pos)
-        pos += 2 + max(rack_len, 0)
-    (id_len,) = struct.unpack_from(">h", payload, pos)
-    if id_len < 0:
-        return None
-    return payload[pos + 2 : pos + 2 + id_len].decode("utf-8", errors="replace")
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
 
 
 def _run_blocking(coro: Coroutine[Any, Any, _T]) -> _T:

@@ -32,12 +32,11 @@ from streamrec.cache.history_backends import open_history_store
 from streamrec.cache.history_store import HistoryStore
 from streamrec.errors import StreamrecError
 from streamrec.pipeline.engine import Engine, EngineConfig
-from streamrec.pipeline.graphed_model import GraphedModel
 from streamrec.pipeline.micro_batcher import MicroBatcher
 from streamrec.worker.checkpoint import Checkpoint
 from streamrec.worker.config import WorkerConfig
 from streamrec.worker.consumer import TP, KafkaInput
-from streamrec.worker.health import Health, HealthState
+from streamrec.worker.health import Health, HealthState, ProbeAnswer
 from streamrec.worker.http_server import HttpServer, Response
 from streamrec.worker.intake import Intake
 from streamrec.worker.log_scoped_store import LogScopedStore
@@ -47,7 +46,12 @@ from streamrec.worker.offset_tracker import OffsetTracker, OffsetTrackerStats
 from streamrec.worker.publisher import Publisher
 from streamrec.worker.rebalance import RebalanceListener
 from streamrec.worker.serving_pipeline import PublishedHook, ServingPipeline
-from streamrec.worker.serving_stack import build_tiers, serving_model, serving_scoring
+from streamrec.worker.serving_stack import (
+    build_catalog,
+    build_tiers,
+    serving_model,
+    serving_scoring,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +100,11 @@ class App:
         self.http = HttpServer(
             config.http.host,
             config.http.port,
-            {"/metrics": self._metrics_route, "/healthz": self._live, "/readyz": self._ready},
+            {
+                "/metrics": self._metrics_route,
+                "/healthz": lambda: _probe(self.health.live()),
+                "/readyz": lambda: _probe(self.health.ready()),
+            },
         )
         self.loaded = model
         self.engine: Engine | None = None
@@ -169,20 +177,25 @@ class App:
         """Model, caches, history store, engine, pipeline (the model loads off the loop)."""
         if self.loaded is None:
             self.loaded = await asyncio.to_thread(
-                load_model, self.config.model, self.config.scoring, self.config.cache.kv_dtype
+                load_model,
+                self.config.model,
+                self.config.scoring,
+                self.config.cache.embedding_cache_rows,
+                self.config.cache.kv_dtype,
             )
         loaded = self.loaded
         hstu = loaded.checkpoint.config
         if self._store is None:
             self._store = open_history_store(self.config.store.url, hstu.max_seq_len)
-        tiers = build_tiers(self.config.cache, loaded)
         scoring = serving_scoring(self.config.scoring, hstu)
+        catalog = build_catalog(self.config.cache, loaded, scoring)  # before the KV budget
+        tiers = build_tiers(self.config.cache, loaded)
         model = await asyncio.to_thread(serving_model, self.config, loaded, tiers.cache, scoring)
         scoped = LogScopedStore(self._store)
         vocab = loaded.checkpoint.vocab
         name, version = loaded.checkpoint.model_name, loaded.checkpoint.version
         config = EngineConfig(name, version, loaded.backend, scoring)
-        self.engine = Engine(model, tiers, scoped, vocab, hstu.task_names, config)
+        self.engine = Engine(model, tiers, scoped, vocab, hstu.task_names, config, catalog)
         checkpoint = Checkpoint(
             self.config,
             tracker=self.tracker,
@@ -316,22 +329,13 @@ class App:
 
     def _metrics_route(self) -> Response:
         if self.engine is not None:
-            store = self._store.stats() if self._store is not None else None
-            self.metrics.sync_caches(self.engine.tiers.stats(), store)
-            self.metrics.sync_engine(self.engine.stats())
-            model = self.engine.step.model
-            if isinstance(model, GraphedModel):
-                self.metrics.sync_graphs(model.stats)
+            self.metrics.sync_serving(self.engine, self._store)
         body, content_type = self.metrics.render()
         return Response(200, body, content_type)
 
-    def _live(self) -> Response:
-        answer = self.health.live()
-        return Response(200 if answer.ok else 503, (answer.reason + "\n").encode())
 
-    def _ready(self) -> Response:
-        answer = self.health.ready()
-        return Response(200 if answer.ok else 503, (answer.reason + "\n").encode())
+def _probe(answer: ProbeAnswer) -> Response:
+    return Response(200 if answer.ok else 503, (answer.reason + "\n").encode())
 
 
 async def _finish(task: asyncio.Task[None], timeout_s: float) -> bool:

@@ -280,7 +280,17 @@ class CacheConfig(_Section):
     kv_budget_fraction: float = 0.5
     block_size: int = 16
     host_tier_bytes: int = 1 << 30
-    embedding_cache_rows: int = 0  # 0 = the whole item table on the device
+    # Catalogues past the GPU budget (issue 20): hot item rows on the device, the table in
+    # host memory, retrieval over the most popular items, refreshed while serving.
+    embedding_cache_rows: int = 0  # 0 (or >= the table) = the whole item table on the device
+    retrievable_items: int = 1_000_000  # with the embedding cache: items retrieval scores
+    popularity_half_life_events: float = 1_000_000.0
+    retrievable_refresh_events: int = 100_000
+    # Disk KV tier behind the host tier (GPU workers; 0 = none); its files are removed at
+    # start and at exit, so give every worker process of a host its own directory.
+    disk_tier_bytes: int = 0
+    disk_tier_dir: Path = Path(".streamrec-cache/disk-kv")
+    disk_tier_fsync: bool = False
     kv_dtype: str = "model"
 
     def _validate(self) -> None:
@@ -296,6 +306,16 @@ class CacheConfig(_Section):
         )
         self._require(self.host_tier_bytes >= 0, "host_tier_bytes", "must be >= 0")
         self._require(self.embedding_cache_rows >= 0, "embedding_cache_rows", "must be >= 0")
+        self._positive(
+            "retrievable_items", "popularity_half_life_events", "retrievable_refresh_events"
+        )
+        self._require(self.disk_tier_bytes >= 0, "disk_tier_bytes", "must be >= 0")
+        self._require(
+            self.disk_tier_bytes == 0 or self.host_tier_bytes > 0,
+            "disk_tier_bytes",
+            "needs a host tier in front of it (host_tier_bytes > 0)",
+        )
+        self._require(str(self.disk_tier_dir) != "", "disk_tier_dir", "must not be empty")
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,15 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from streamrec.cache.stats import HistoryStoreStats, KVTiersStats
-from streamrec.pipeline.engine import EngineStats
-from streamrec.pipeline.graphed_model import GraphStats
+from streamrec.cache.history_store import HistoryStore
+from streamrec.cache.stats import (
+    EmbeddingCacheStats,
+    HistoryStoreStats,
+    KVTiersStats,
+    RetrievalSetStats,
+)
+from streamrec.pipeline.engine import Engine, EngineStats
+from streamrec.pipeline.graphed_model import GraphedModel, GraphStats
 from streamrec.pipeline.micro_batcher import Batch
 
 # Latency buckets from 1 ms to 30 s; batch sizes in powers of two up to 1,024 users.
@@ -96,6 +102,28 @@ class WorkerMetrics:
             p + "cache_evictions", "Evictions per tier", ["tier"], registry=r
         )
         self.kv_blocks = Gauge(p + "kv_blocks", "KV pool blocks by state", ["state"], registry=r)
+        self.cache_bytes_moved = Counter(
+            p + "cache_bytes_moved",
+            "Bytes copied into (in) and out of (out) a cache tier",
+            ["tier", "direction"],
+            registry=r,
+        )
+        self.disk_tier_bytes = Gauge(
+            p + "disk_tier_bytes", "Bytes of KV files the disk tier holds", registry=r
+        )
+        self.disk_tier_verify_failures = Counter(
+            p + "disk_tier_verify_failures",
+            "Disk-tier files that failed their checks (torn, stale): answered as misses",
+            registry=r,
+        )
+        self.retrieval_set_coverage = Gauge(
+            p + "retrieval_set_coverage",
+            "Share of new events whose item the retrievable set held (catalogue past the GPU)",
+            registry=r,
+        )
+        self.retrieval_set_refreshes = Counter(
+            p + "retrieval_set_refreshes", "Refreshes of the retrievable set", registry=r
+        )
         self.published = Counter(
             p + "recommendations_published",
             "Recommendation records acknowledged by the broker",
@@ -240,6 +268,15 @@ class WorkerMetrics:
             self._phase_seconds[phase] = total
             self.step_seconds.labels(phase).observe(max(spent, 0.0))
 
+    def sync_serving(self, engine: Engine, store: HistoryStore | None) -> None:
+        """Every gauge read from the serving objects (at each scrape)."""
+        self.sync_caches(engine.tiers.stats(), store.stats() if store is not None else None)
+        if engine.catalog is not None:
+            self.sync_catalog(*engine.catalog.stats())
+        self.sync_engine(engine.stats())
+        if isinstance(engine.step.model, GraphedModel):
+            self.sync_graphs(engine.step.model.stats)
+
     def sync_caches(self, tiers: KVTiersStats, store: HistoryStoreStats | None) -> None:
         """Cache counters per tier from cumulative snapshots.
 
@@ -250,17 +287,45 @@ class WorkerMetrics:
         """
         pool = self._pool_tier
         self._sync(self.cache_hits, pool, tiers.gpu_hits)
-        self._sync(self.cache_misses, pool, tiers.host_hits + tiers.misses)
+        self._sync(self.cache_misses, pool, tiers.host_hits + tiers.disk_hits + tiers.misses)
         self._sync(self.cache_evictions, pool, tiers.pool.evictions)
         if tiers.host is not None:
             self._sync(self.cache_hits, "host", tiers.host_hits)
-            self._sync(self.cache_misses, "host", tiers.misses)
+            self._sync(self.cache_misses, "host", tiers.disk_hits + tiers.misses)
             self._sync(self.cache_evictions, "host", tiers.host.drops)
+            self._sync_moved("host", "out", tiers.host.bytes_offloaded)
+            self._sync_moved("host", "in", tiers.host.bytes_onloaded)
+        disk = tiers.disk
+        if disk is not None:
+            self._sync(self.cache_hits, "disk", tiers.disk_hits)
+            self._sync(self.cache_misses, "disk", tiers.misses)
+            self._sync(self.cache_evictions, "disk", disk.evictions)
+            self._sync_moved("disk", "out", disk.bytes_written)
+            self._sync_moved("disk", "in", disk.bytes_read)
+            self._sync_plain(self.disk_tier_verify_failures, disk.verify_failures)
+            self.disk_tier_bytes.set(disk.bytes_used)
         if store is not None:
             self._sync(self.cache_hits, "history", store.get_hits)
             self._sync(self.cache_misses, "history", store.misses)
         self.kv_blocks.labels("used").set(tiers.pool.blocks_used)
         self.kv_blocks.labels("free").set(tiers.pool.blocks_free)
+
+    def sync_catalog(self, embeddings: EmbeddingCacheStats, retrievable: RetrievalSetStats) -> None:
+        """The item table past the GPU budget: embedding-cache lookups, copies and the
+        retrievable set, from cumulative snapshots (tier ``embedding``)."""
+        self._sync(self.cache_hits, "embedding", embeddings.hits)
+        self._sync(self.cache_misses, "embedding", embeddings.misses)
+        self._sync(self.cache_evictions, "embedding", embeddings.evictions)
+        self._sync_moved("embedding", "in", embeddings.bytes_copied)
+        self.retrieval_set_coverage.set(retrievable.coverage)
+        self._sync_plain(self.retrieval_set_refreshes, retrievable.refreshes)
+
+    def _sync_moved(self, tier: str, direction: str, cumulative: float) -> None:
+        key = (id(self.cache_bytes_moved), f"{tier}/{direction}")
+        delta = cumulative - self._seen.get(key, 0.0)
+        if delta > 0:
+            self.cache_bytes_moved.labels(tier, direction).inc(delta)
+            self._seen[key] = cumulative
 
     def sync_engine(self, stats: EngineStats) -> None:
         """Engine counters (batch splits, rebuilds by reason, store retries), cumulative."""

@@ -19,7 +19,7 @@ from streamrec.cache.kv_cache import KVCache
 from streamrec.errors import ExportError, ModelError
 from streamrec.models.aoti_export import ExportConfig
 from streamrec.models.aoti_runtime import open_aoti_model
-from streamrec.models.checkpoint import Checkpoint, load_checkpoint
+from streamrec.models.checkpoint import Checkpoint, load_checkpoint, load_item_table
 from streamrec.models.quantization import apply_precision
 from streamrec.models.serving_precision import MODEL_PRECISION, ServingPrecision
 from streamrec.pipeline.graphed_model import GraphedModel, capture_serving_graphs
@@ -38,6 +38,10 @@ class LoadedModel:
     model: ServingModel
     backend: str  # "aoti" or "eager"
     device: torch.device
+    # Set when the item table stays on the host (``cache.embedding_cache_rows`` smaller
+    # than the table): the model reads its item rows from the embedding cache, bound by
+    # ``serving_stack.build_catalog``, and serves eagerly.
+    item_table: torch.Tensor | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -102,16 +106,48 @@ def load_serving_model(
 
 
 def load_model(
-    model_cfg: ModelConfig, scoring: ScoringConfig | None = None, kv_dtype: str = "model"
+    model_cfg: ModelConfig,
+    scoring: ScoringConfig | None = None,
+    embedding_cache_rows: int = 0,
+    kv_dtype: str = "model",
 ) -> LoadedModel:
     """Load ``model_cfg.model_dir`` onto the configured device (blocking: call it off-loop),
-    at ``model_cfg.weight_dtype`` and ``kv_dtype`` (``cache.kv_dtype``)."""
+    at ``model_cfg.weight_dtype`` and ``kv_dtype`` (``cache.kv_dtype``).
+
+    With ``embedding_cache_rows`` smaller than the item table the table never reaches the
+    device: the weights load on the host, the table is memory-mapped, and the rest of the
+    model moves to the device. An AOTI package carries the whole table, so that model is
+    served eagerly (an error under ``require_aoti``).
+    """
     device = resolve_device(model_cfg.device)
     precision = ServingPrecision(kv_dtype, model_cfg.weight_dtype)
-    checkpoint = load_checkpoint(model_cfg.model_dir, device=device)
+    if embedding_cache_rows <= 0:
+        checkpoint = load_checkpoint(model_cfg.model_dir, device=device)
+        apply_precision(checkpoint.model, precision)
+        model, backend = load_serving_model(model_cfg, checkpoint, device, scoring, precision)
+        return LoadedModel(checkpoint=checkpoint, model=model, backend=backend, device=device)
+    checkpoint = load_checkpoint(model_cfg.model_dir, device="cpu")
     apply_precision(checkpoint.model, precision)
-    model, backend = load_serving_model(model_cfg, checkpoint, device, scoring, precision)
-    return LoadedModel(checkpoint=checkpoint, model=model, backend=backend, device=device)
+    hstu = checkpoint.config
+    if embedding_cache_rows >= hstu.num_items:  # the table fits the budget: as usual
+        checkpoint.model.to(device)
+        model, backend = load_serving_model(model_cfg, checkpoint, device, scoring, precision)
+        return LoadedModel(checkpoint=checkpoint, model=model, backend=backend, device=device)
+    if model_cfg.require_aoti:
+        raise ModelError(
+            f"cache.embedding_cache_rows={embedding_cache_rows} keeps the item table of "
+            f"{hstu.num_items} rows on the host, which an AOTI package cannot: unset "
+            "model.require_aoti"
+        )
+    table = load_item_table(checkpoint.path, hstu.torch_dtype)  # [V, D] host
+    placeholder = torch.empty((0, hstu.d_model), dtype=hstu.torch_dtype, device=device)
+    checkpoint.model.use_item_rows(placeholder)  # frees the host copy; the cache binds later
+    checkpoint.model.to(device)
+    log.info(
+        "item table stays on the host: embedding cache, eager backend",
+        extra={"items": hstu.num_items, "gpu_rows": embedding_cache_rows},
+    )
+    return LoadedModel(checkpoint, checkpoint.model, "eager", device, item_table=table)
 
 
 def graphed_serving_model(

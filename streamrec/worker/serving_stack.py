@@ -1,7 +1,10 @@
 """What the engine serves with, built from the configuration and the loaded model.
 
+- ``build_catalog``: for an item table past ``cache.embedding_cache_rows``, the embedding
+  cache (hot rows on the device) and the retrievable set, bound to the eager model;
 - ``build_tiers``: the KV pool sized from ``[cache]`` (bytes, or a fraction of the free
-  device memory, capped on the CPU where the RAM is shared) and the pinned host tier;
+  device memory, capped on the CPU where the RAM is shared), the pinned host tier and the
+  disk tier behind it;
 - ``serving_model``: the loaded backend, replayed from CUDA graphs where that applies
   (``model_loader.graphed_serving_model``);
 - ``serving_scoring``: the configured sizes clamped to the model's catalogue.
@@ -13,12 +16,17 @@ import dataclasses
 import logging
 from typing import Final
 
+from streamrec.cache.disk_tier import DiskTier
+from streamrec.cache.embedding_cache import EmbeddingCache
 from streamrec.cache.host_tier import HostTier
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.cache.kv_tiers import KVTiers
+from streamrec.cache.retrieval_set import RetrievalSet
 from streamrec.errors import ConfigError
 from streamrec.models.config import HSTUConfig
+from streamrec.models.hstu import HSTU
 from streamrec.models.quantization import kv_storage_dtype, model_precision
+from streamrec.pipeline.item_catalog import ItemCatalog
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
 from streamrec.worker.config import CacheConfig, WorkerConfig
@@ -67,7 +75,58 @@ def build_tiers(c: CacheConfig, loaded: LoadedModel) -> KVTiers:
     host = None
     if c.host_tier_bytes > 0 and loaded.device.type == "cuda":
         host = HostTier.from_budget(cache, c.host_tier_bytes)
-    return KVTiers(cache, host, hstu.max_seq_len)
+    disk = None
+    if c.disk_tier_bytes > 0 and host is not None:
+        index = loaded.device.index if loaded.device.index is not None else 0
+        disk = DiskTier(
+            cache,
+            c.disk_tier_dir / f"cuda{index}",  # one worker per GPU: its own files
+            c.disk_tier_bytes,
+            loaded.checkpoint.version,
+            max_blocks=-(-hstu.max_seq_len // c.block_size),
+            fsync=c.disk_tier_fsync,
+        )
+    elif c.disk_tier_bytes > 0:
+        log.warning("cache.disk_tier_bytes is set but there is no host tier (CPU): no disk tier")
+    return KVTiers(cache, host, hstu.max_seq_len, disk=disk)
+
+
+def build_catalog(
+    c: CacheConfig, loaded: LoadedModel, scoring: ScoringConfig
+) -> ItemCatalog | None:
+    """The embedding cache and retrievable set of a table kept on the host, bound to the
+    model (before any CUDA-graph capture); None when the table lives on the device."""
+    table = loaded.item_table
+    if table is None:
+        return None
+    hstu = loaded.checkpoint.config
+    model = loaded.model
+    if not isinstance(model, HSTU):
+        raise ConfigError(f"the embedding cache needs the eager model, got {type(model).__name__}")
+    size = min(c.retrievable_items, hstu.num_items - hstu.first_item_row)
+    pool = scoring.num_candidates or scoring.top_k
+    if size < pool:
+        raise ConfigError(
+            f"cache.retrievable_items = {c.retrievable_items} gives a retrievable set of {size} "
+            f"items, fewer than the {pool} candidates scoring retrieves"
+        )
+    catalog = ItemCatalog(
+        EmbeddingCache(table, loaded.device, num_slots=c.embedding_cache_rows),
+        RetrievalSet(
+            table,
+            loaded.device,
+            size,
+            hstu.first_item_row,
+            half_life_events=c.popularity_half_life_events,
+            refresh_events=c.retrievable_refresh_events,
+        ),
+    )
+    catalog.bind(model)
+    log.info(
+        "item table on the host",
+        extra={"items": hstu.num_items, "gpu_rows": c.embedding_cache_rows, "retrievable": size},
+    )
+    return catalog
 
 
 def serving_scoring(scoring: ScoringConfig, hstu: HSTUConfig) -> ScoringConfig:

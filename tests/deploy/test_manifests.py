@@ -367,3 +367,12 @@ def test_dockerfile_pins_the_tested_torch_and_checks_health() -> None:
     assert stages[-1] == "runtime", "the default (last) target must not need a GPU builder"
     assert "USER ${UID}:${UID}" in dockerfile
     assert yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["images"]
+
+
+def test_gpu_pods_run_one_worker_process_each(gpu: list[Resource]) -> None:
+    # One pod per GPU (deploy/README.md, "Several GPUs per node"): no supervisor of
+    # several workers inside a pod, whose other children nobody would probe or scrape.
+    container = worker(gpu)
+    assert not {"--gpus", "--cpu-children"} & set(container["args"])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert len(container["ports"]) == 1

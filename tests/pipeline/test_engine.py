@@ -131,16 +131,22 @@ async def test_incremental_equals_full_recompute_under_eviction() -> None:
     assert stats.gpu_hits > 100 and stats.host_hits > 100 and stats.misses > 200
     assert stats.tokens_extended > 1_000
 
+    await assert_equals_recompute(model, vocab, store, last, engine.config.scoring)
+    assert len(last) == 200
+    await engine.close()
+
+
+async def assert_equals_recompute(model, vocab, store, last, scoring: ScoringConfig) -> None:
+    """Each user's last recommendation equals a full recompute of its stored history."""
     histories = await store.get(sorted(last))
-    expected = _recompute(model, histories, engine.config.scoring)
-    assert set(expected) == set(last) and len(last) == 200
+    expected = _recompute(model, histories, scoring)
+    assert set(expected) == set(last)
     for user, rec in last.items():
         want = expected[user]
         assert rec.version == histories[user].total_appended
         assert [item for item, _ in rec.items] == [vocab.external(int(r)) for r in want.items]
         got_scores = np.array([score for _, score in rec.items])
         np.testing.assert_allclose(got_scores, want.scores, rtol=1e-5, atol=1e-6)
-    await engine.close()
 
 
 async def test_redelivered_events_rebuild_and_publish_same_state() -> None:
