@@ -1,6 +1,8 @@
 """Users per cache tier for the reference models: how far 100 GiB of GPU KV pool goes.
 
 Pure arithmetic (no device needed); ``streamrec bench cache-capacity`` prints the same.
+Each model appears with its bf16 pool and with an FP8 one (``cache.kv_dtype =
+"fp8_e4m3"``, 1 byte per K/V element: ``HSTU-8L/fp8``).
 
     .venv/bin/python -m bench.cache_capacity [--gpu-gib 100] [--host-gib 64] [--disk-gib 1800]
 """
@@ -8,6 +10,7 @@ Pure arithmetic (no device needed); ``streamrec bench cache-capacity`` prints th
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -31,25 +34,27 @@ def reference_rows(
     history_lens: tuple[int, ...] = (1000, 2048, 4096),
 ) -> list[tuple[str, int, CapacityRow]]:
     rows: list[tuple[str, int, CapacityRow]] = []
-    for workload in REFERENCE_WORKLOADS:
-        for block_size in block_sizes:
-            kv = KVCacheConfig(
-                num_layers=workload.num_layers,
-                num_heads=workload.num_heads,
-                head_dim=workload.head_dim,
-                block_size=block_size,
-                dtype=getattr(torch, workload.dtype),
+    kv_dtypes = (("", None), ("/fp8", torch.float8_e4m3fn))
+    for workload, (suffix, kv_dtype), block_size in itertools.product(
+        REFERENCE_WORKLOADS, kv_dtypes, block_sizes
+    ):
+        kv = KVCacheConfig(
+            num_layers=workload.num_layers,
+            num_heads=workload.num_heads,
+            head_dim=workload.head_dim,
+            block_size=block_size,
+            dtype=kv_dtype or getattr(torch, workload.dtype),
+        )
+        for history_len in history_lens:
+            report = capacity_report(
+                kv,
+                history_len,
+                int(gpu_gib * GIB),
+                int(host_gib * GIB),
+                None if store_gib is None else int(store_gib * GIB),
+                None if disk_gib is None else int(disk_gib * GIB),
             )
-            for history_len in history_lens:
-                report = capacity_report(
-                    kv,
-                    history_len,
-                    int(gpu_gib * GIB),
-                    int(host_gib * GIB),
-                    None if store_gib is None else int(store_gib * GIB),
-                    None if disk_gib is None else int(disk_gib * GIB),
-                )
-                rows.extend((workload.name, block_size, row) for row in report)
+            rows.extend((workload.name + suffix, block_size, row) for row in report)
     return rows
 
 

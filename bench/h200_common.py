@@ -19,6 +19,7 @@ from streamrec.models.attention import self_attention_term, silu_attention
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU, HSTULayer
 from streamrec.models.prefill_attention import fused_prefill_attention, fused_prefill_candidates
+from streamrec.models.quantization import kv_storage_dtype, model_precision
 from streamrec.pipeline.serving_model import ServingModel
 from streamrec.schemas.events import Action
 
@@ -84,7 +85,7 @@ def ceilings(quick: bool) -> dict[str, float]:
 # ------------------------------------------------------------------ setup
 
 
-def build_model(w: Workload, seed: int = 0) -> HSTU:
+def build_model(w: Workload, seed: int = 0, device: str = "cuda") -> HSTU:
     cfg = HSTUConfig(
         num_items=w.num_items,
         d_model=w.d_model,
@@ -101,7 +102,7 @@ def build_model(w: Workload, seed: int = 0) -> HSTU:
             assert isinstance(layer, HSTULayer)
             layer.pos_bias.normal_(0, 0.3)
             layer.time_bias.normal_(0, 0.3)
-    return model.to("cuda", cfg.torch_dtype)
+    return model.to(device, cfg.torch_dtype)
 
 
 class Batch:
@@ -110,19 +111,19 @@ class Batch:
 
     Each user's pool already holds a slot for the new event: ``extend`` reads the first
     ``history`` tokens, its K/V are written into slot ``history`` and ``rank`` then reads
-    ``history + 1`` tokens, exactly what the full recompute sees.
+    ``history + 1`` tokens, exactly what the full recompute sees. The pool has the dtype
+    of the K/V the model returns (FP8 codes for an FP8-KV model) on the model's device.
     """
 
     def __init__(self, model: HSTU, batch: int, history: int, cands: int, seed: int) -> None:
         cfg = model.config
         gen = torch.Generator().manual_seed(seed)
-        dev = "cuda"
+        dev = model.item_emb.weight.device
         self.batch, self.history, self.cands = batch, history, cands
         total = history + 1
         per_user = math.ceil(total / BLOCK_SIZE)
-        kv_cfg = KVCacheConfig(
-            cfg.num_layers, cfg.num_heads, cfg.head_dim, BLOCK_SIZE, cfg.torch_dtype
-        )
+        kv_dtype = kv_storage_dtype(model_precision(model), cfg.torch_dtype)
+        kv_cfg = KVCacheConfig(cfg.num_layers, cfg.num_heads, cfg.head_dim, BLOCK_SIZE, kv_dtype)
         self.cache = KVCache(kv_cfg, num_blocks=batch * per_user + 8, device=dev)
         self.users = [f"u{i}" for i in range(batch)]
         # Interleave users' blocks so no user's cache is contiguous.
@@ -131,7 +132,8 @@ class Batch:
                 length = self.cache.pool.length(u) if u in self.cache.pool else 0
                 grown = self.cache.pool.append(u, min(BLOCK_SIZE, total - length))
                 assert not isinstance(grown, NoRoom)
-        self.cache.kv.normal_(0, 1)
+        if kv_dtype == cfg.torch_dtype:  # (no FP8 normal_; the prefill fills what is read)
+            self.cache.kv.normal_(0, 1)
         gaps = torch.randint(1000, 10**7, (batch, history), generator=gen)
         hist_ts = BASE_TS + gaps.cumsum(1)  # [B, L]
         self.hist_ts_all = hist_ts.to(dev)
@@ -164,7 +166,8 @@ class Batch:
         """The cache holds what a prefill of the histories writes (not random values),
         so the incremental outputs can be compared with the full recompute."""
         hist = self.hist_items.shape[1]
-        offsets = torch.arange(self.batch + 1, device="cuda", dtype=torch.int64) * hist
+        dev = self.hist_ts_all.device
+        offsets = torch.arange(self.batch + 1, device=dev, dtype=torch.int64) * hist
         slots = []
         for u in self.users:
             table = np.asarray(self.cache.pool.block_table(u), dtype=np.int64)
@@ -174,8 +177,8 @@ class Batch:
             for lo in range(0, self.batch, 8):  # prefill in chunks: [8, N, D] activations
                 hi = min(self.batch, lo + 8)
                 k, v, _ = model.prefill(
-                    self.hist_items[lo:hi].reshape(-1).cuda(),
-                    self.hist_actions[lo:hi].reshape(-1).cuda(),
+                    self.hist_items[lo:hi].reshape(-1).to(dev),
+                    self.hist_actions[lo:hi].reshape(-1).to(dev),
                     self.hist_ts_all[lo:hi].reshape(-1),
                     offsets[: hi - lo + 1],
                 )

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|demo|demo-aoti|tiers|multigpu|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|demo|demo-aoti|tiers|multigpu|fp8|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -154,6 +154,13 @@ for stage in "$@"; do
         --rates-per-gpu 2000 5000 --seconds 6 --partitions 8 --log-dir "$OUT/multigpu" 2>&1 \
         | tail -24
       cp bench/results/worker_bench_multi_gpu.json "$OUT/" 2>/dev/null ;;
+    fp8)  # issue 18: FP8 gpu tests (kernels, exactness, _scaled_mm, host tier), then the
+      # bf16-vs-FP8 bench (capacity, decode/rank kernels at batch 64/256, whole step)
+      python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_fp8_attention.py \
+        tests/models/test_quantization_gpu.py tests/models/test_fp8_linear.py \
+        tests/cache/test_host_tier.py 2>&1 | tee "$OUT/fp8_tests.log" \
+        | grep -E "rel err|on NVIDIA|fp8 model|passed|failed|Error" | tail -40
+      timeout 300 python3 -m bench.fp8_bench 2>&1 | tee "$OUT/fp8_bench.log" | tail -24 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"

@@ -80,7 +80,7 @@ def capacity_report(
 
 def capacity_table(rows: list[tuple[str, int, CapacityRow]]) -> str:
     """Plain-text table of ``(model name, block size, row)`` triples, for CLIs and benches."""
-    line = "{:<10} {:>5} {:>8} {:<14} {:>14} {:>10} {:>12}"
+    line = "{:<12} {:>5} {:>8} {:<14} {:>14} {:>10} {:>12}"
     out = [line.format("model", "block", "history", "tier", "bytes/user", "budget GiB", "users")]
     for model, block_size, row in rows:
         budget = "-" if row.budget_bytes is None else f"{row.budget_bytes / 2**30:.0f}"

@@ -47,7 +47,7 @@ import torch
 
 from streamrec.cache.block_pool import UserKey
 from streamrec.cache.host_tier import HostCopy, block_runs
-from streamrec.cache.kv_cache import KVCache
+from streamrec.cache.kv_cache import KVCache, raw
 from streamrec.cache.kv_file import (
     CHUNK_BYTES,
     HEADER_BYTES,
@@ -397,7 +397,8 @@ class DiskTier:
         if gpu_blocks:
             ids = torch.tensor(gpu_blocks, dtype=torch.int64, device=cache.device)
             kv_dev = kv[skip_blocks:].to(cache.device, non_blocking=True)  # [n', Lyr, 2, BS, H, d]
-            cache.kv.index_copy_(2, ids, kv_dev.movedim(0, 2))  # kv[Lyr, 2, NB, BS, H, d]
+            # (FP8 codes as their bytes: index_copy_ has no FP8 kernel)
+            raw(cache.kv).index_copy_(2, ids, raw(kv_dev).movedim(0, 2))  # [Lyr,2,NB,BS,H,d]
             cache.ts.index_copy_(0, ids, ts[skip_blocks:].to(cache.device, non_blocking=True))
         if cache.device.type == "cuda":
             read.slot.copied = torch.cuda.Event()

@@ -13,7 +13,9 @@ tensor then runs on a side stream (``record_stream`` keeps the staging memory al
 it is done) and records an event. Onload waits for that event on the engine stream before
 copying host→device, and host blocks are only rewritten by later offloads on the side
 stream, which first waits for the engine stream, so no copy can read half-written bytes.
-On the CPU the same code runs with plain memory and no streams.
+On the CPU the same code runs with plain memory and no streams. An FP8 pool is mirrored
+byte for byte (codes, no scales: those belong to the model), so a host block costs what a
+GPU block does: half of a bf16 one.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from streamrec.cache.block_pool import UserKey
-from streamrec.cache.kv_cache import KVCache
+from streamrec.cache.kv_cache import KVCache, raw
 from streamrec.cache.stats import HostTierStats
 from streamrec.errors import CacheError, ConfigError
 
@@ -227,7 +229,7 @@ class HostTier:
     def _copy_out(self, gpu_blocks: list[int], host_blocks: list[int]) -> torch.cuda.Event | None:
         cache = self.cache
         ids = torch.tensor(gpu_blocks, dtype=torch.int64, device=cache.device)
-        kv = cache.kv.movedim(2, 0)[ids]  # [n, Lyr, 2, BS, H, d] gathered on the engine stream
+        kv = raw(cache.kv).movedim(2, 0)[ids]  # [n, Lyr, 2, BS, H, d] on the engine stream
         ts = cache.ts[ids]  # [n, BS]
         if self._stream is None:
             self._scatter_runs(host_blocks, kv, ts)
@@ -243,7 +245,7 @@ class HostTier:
 
     def _scatter_runs(self, host_blocks: list[int], kv: torch.Tensor, ts: torch.Tensor) -> None:
         for i, first, count in block_runs(host_blocks):
-            self.kv[first : first + count].copy_(kv[i : i + count], non_blocking=True)
+            raw(self.kv)[first : first + count].copy_(kv[i : i + count], non_blocking=True)
             self.ts[first : first + count].copy_(ts[i : i + count], non_blocking=True)
 
     def _copy_in(self, entry: _HostEntry, gpu_blocks: list[int]) -> None:
@@ -251,13 +253,14 @@ class HostTier:
         if entry.ready is not None:
             torch.cuda.current_stream(cache.device).wait_event(entry.ready)
         n = len(entry.blocks)
-        kv = torch.empty((n, *self.kv.shape[1:]), dtype=self.kv.dtype, device=cache.device)
+        host = raw(self.kv)
+        kv = torch.empty((n, *host.shape[1:]), dtype=host.dtype, device=cache.device)
         ts = torch.empty((n, cache.block_size), dtype=torch.int64, device=cache.device)
         for i, first, count in block_runs(entry.blocks):
-            kv[i : i + count].copy_(self.kv[first : first + count], non_blocking=True)
+            kv[i : i + count].copy_(host[first : first + count], non_blocking=True)
             ts[i : i + count].copy_(self.ts[first : first + count], non_blocking=True)
         ids = torch.tensor(gpu_blocks, dtype=torch.int64, device=cache.device)
-        cache.kv.index_copy_(2, ids, kv.movedim(0, 2))  # kv[Lyr, 2, NB, BS, H, d]
+        raw(cache.kv).index_copy_(2, ids, kv.movedim(0, 2))  # kv[Lyr, 2, NB, BS, H, d]
         cache.ts.index_copy_(0, ids, ts)
 
     def _release(self, blocks: list[int]) -> None:

@@ -6,6 +6,13 @@ means no allocation or fragmentation while serving: a user's cache is whatever b
 its table names. The model reads the pool in place through ``batch_tables`` (no dense
 per-step copy of every user's history); new keys/values are scattered into their slots
 with one ``index_copy_`` per tensor, exactly as docs/contracts.md prescribes.
+
+With ``dtype = torch.float8_e4m3fn`` (``cache.kv_dtype = "fp8_e4m3"``) the pool holds the
+FP8 codes the model's ``prefill``/``extend`` return: half the bytes per token, so about
+twice the users per GiB. The codes' scales belong to the model (``models/fp8.py``: one per
+layer, K/V and head, fixed by the weights, so a code never depends on which step wrote
+it); the cache only moves bytes and never re-quantizes. FP8 tensors are copied through
+uint8 views of the same bytes (the CPU has no FP8 ``index_copy_``).
 """
 
 from __future__ import annotations
@@ -21,6 +28,12 @@ from streamrec.cache.block_pool import BlockPool, Slots, UserKey
 from streamrec.errors import CacheError, ConfigError
 
 _TS_BYTES = 8  # int64 timestamp per cached token
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The same bytes as a dtype every copy kernel supports: FP8 as uint8, else itself."""
+    return tensor.view(torch.uint8) if tensor.dtype in _FP8 else tensor
 
 
 @dataclass(frozen=True)
@@ -164,13 +177,25 @@ class KVCache:
                 f"write expects k/v {expected} and ts ({idx.numel()},), got k "
                 f"{tuple(k.shape)} v {tuple(v.shape)} ts {tuple(ts.shape)}"
             )
+        if (k.dtype in _FP8 or cfg.dtype in _FP8) and not k.dtype == v.dtype == cfg.dtype:
+            raise CacheError(
+                f"a {cfg.dtype} pool stores k/v of that dtype only (FP8 codes come quantized "
+                f"from the model with its scales), got k {k.dtype} v {v.dtype}"
+            )
         flat = (cfg.num_layers, self.num_blocks * cfg.block_size, cfg.num_heads, cfg.head_dim)
-        self.kv[:, 0].view(flat).index_copy_(1, idx, k.to(self.device, cfg.dtype))
-        self.kv[:, 1].view(flat).index_copy_(1, idx, v.to(self.device, cfg.dtype))
+        pool = raw(self.kv)
+        pool[:, 0].view(flat).index_copy_(1, idx, raw(k.to(self.device, cfg.dtype)))
+        pool[:, 1].view(flat).index_copy_(1, idx, raw(v.to(self.device, cfg.dtype)))
         self.ts.view(-1).index_copy_(0, idx, ts.to(self.device, torch.int64))
 
-    def read(self, user: UserKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Dense ``(k[Lyr, L, H, d], v[Lyr, L, H, d], ts[L])`` of one user (tests, debugging)."""
+    def read(
+        self, user: UserKey, scale: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense ``(k[Lyr, L, H, d], v[Lyr, L, H, d], ts[L])`` of one user (tests, debugging).
+
+        An FP8 pool returns its codes, or with ``scale [Lyr, 2, H]`` (the model's
+        ``kv_quant.scale``) the values they stand for, in fp32.
+        """
         length = self.pool.length(user)
         positions = np.arange(length, dtype=np.int64)
         table = np.asarray(self.pool.block_table(user), dtype=np.int64)
@@ -180,6 +205,9 @@ class KVCache:
         flat = (cfg.num_layers, self.num_blocks * cfg.block_size, cfg.num_heads, cfg.head_dim)
         k = self.kv[:, 0].reshape(flat).index_select(1, idx)
         v = self.kv[:, 1].reshape(flat).index_select(1, idx)
+        if scale is not None:
+            per_head = scale.to(self.device, torch.float32)[:, :, None, :, None]  # [Lyr,2,1,H,1]
+            k, v = k.float() * per_head[:, 0], v.float() * per_head[:, 1]
         return k, v, self.ts.view(-1).index_select(0, idx)
 
     def _slot_index(self, slots: Slots | torch.Tensor) -> torch.Tensor:

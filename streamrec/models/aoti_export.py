@@ -55,6 +55,8 @@ from streamrec.models.package_cache import (
     PackageKey,
     device_kind,
 )
+from streamrec.models.quantization import apply_precision, kv_storage_dtype, model_precision
+from streamrec.models.serving_precision import MODEL_PRECISION, ServingPrecision
 
 ENTRY_POINTS = ("prefill", "extend", "rank", "retrieve")
 Progress = Callable[[str], None]
@@ -76,6 +78,8 @@ MODEL_CODE = (
     "streamrec.models.prefill_kernels",
     "streamrec.models.retrieval",
     "streamrec.models.config",
+    "streamrec.models.fp8",
+    "streamrec.models.fp8_linear",
     "streamrec.schemas.events",
 )
 # Example sizes for tracing; distinct values >= 2 so no two dims are confused or pinned.
@@ -85,11 +89,13 @@ _EX_CANDS, _EX_EXCLUDE = 13, 5
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """What gets compiled. ``retrieve_k`` is part of the package key; ``entry_points``
-    only says which graphs a build adds (a package directory accumulates them)."""
+    """What gets compiled. ``retrieve_k`` and ``precision`` are part of the package key;
+    ``entry_points`` only says which graphs a build adds (a package directory accumulates
+    them). The model compiled must be at ``precision`` (``apply_precision``)."""
 
     entry_points: tuple[str, ...] = ENTRY_POINTS
     retrieve_k: int = 256  # largest k ``retrieve`` serves (clamped to the catalog size)
+    precision: ServingPrecision = MODEL_PRECISION
 
     def __post_init__(self) -> None:
         names = tuple(self.entry_points)
@@ -127,6 +133,7 @@ def package_key(
         "code": source_hash(),
         "layout": LAYOUT_VERSION,
         "inductor": INDUCTOR_CONFIGS,
+        **config.precision.key_settings(),
     }
     export_hash = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     return PackageKey(
@@ -241,7 +248,7 @@ class _Retrieve(nn.Module):
 def _example(model: HSTU, name: str, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Valid example inputs of entry point ``name`` (values matter: export runs them)."""
     cfg = model.config
-    dtype = next(model.parameters()).dtype
+    dtype = model.item_emb.weight.dtype
     gen = torch.Generator().manual_seed(0)
     lens = [3, 1, 3]  # sums to _EX_TOKENS
     offsets = torch.tensor([0, 3, 4, 7], dtype=torch.int64)
@@ -251,7 +258,8 @@ def _example(model: HSTU, name: str, device: torch.device) -> tuple[torch.Tensor
     pool_shape = (
         cfg.num_layers, 2, _EX_BLOCKS, _EX_BLOCK_SIZE, cfg.num_heads, cfg.head_dim,
     )  # fmt: skip
-    kv_pool = torch.randn(pool_shape, generator=gen).to(dtype)
+    kv_dtype = kv_storage_dtype(model_precision(model), dtype)
+    kv_pool = torch.randn(pool_shape, generator=gen).to(kv_dtype)
     ts_pool = torch.zeros(_EX_BLOCKS, _EX_BLOCK_SIZE, dtype=torch.int64)
     tables = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)  # [B, MB]
     cached = torch.tensor([5, 0, 8], dtype=torch.int64)
@@ -310,6 +318,11 @@ def compile_entry_point(
 ) -> dict[str, float]:  # fmt: skip
     """Export and compile one entry point into ``path``; returns export/compile seconds."""
     say = progress or (lambda _msg: None)
+    if model_precision(model) != config.precision:
+        raise ExportError(
+            f"the model is at {model_precision(model)}, the export config says "
+            f"{config.precision}: apply_precision first"
+        )
     start = time.perf_counter()
     say(f"aoti: exporting {name} ...")
     try:
@@ -386,6 +399,7 @@ def _build(
             "retrieve_k": effective_k(model_config, config),
             "cxx": configure_inductor(cache.root),
             "constants": specs,
+            "kv_dtype": config.precision.kv_dtype,
             "timings": {**old_timings, **timings},
             "total_s": time.perf_counter() - start,
         }
@@ -407,7 +421,7 @@ def build_package(
     The model must already be on the target device in the serving dtype; its entry
     points compile one after the other in this process.
     """
-    param = next(model.parameters())
+    param = model.item_emb.weight
     root = Path(cache_dir)
     configure_inductor(root)
     key = package_key(model.config, dtype_name(param.dtype), model_version, param.device, config)
@@ -436,6 +450,7 @@ def _compile_in_child(
         checkpoint = load_checkpoint(model_dir, device=device, dtype=dtype)
     except ModelError as exc:
         raise ExportError(f"cannot export {model_dir}: {exc}") from exc
+    apply_precision(checkpoint.model, config.precision)
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -465,6 +480,7 @@ def export_model(
             checkpoint = load_checkpoint(model_dir, device=device, dtype=dtype)
         except ModelError as exc:
             raise ExportError(f"cannot export {model_dir}: {exc}") from exc
+        apply_precision(checkpoint.model, config.precision)
         return build_package(
             checkpoint.model, checkpoint.version, cache_dir, config, progress=progress,
             force=force,
@@ -482,7 +498,7 @@ def export_model(
     configure_inductor(root)
     key = package_key(model_config, dtype, version, target, config)
     with torch.device("meta"):  # shapes and dtypes only: no memory, no init
-        shapes = HSTU(model_config).to(DTYPES[dtype])
+        shapes = apply_precision(HSTU(model_config).to(DTYPES[dtype]), config.precision)
 
     def compile_apart(missing: list[str], staging: Path) -> dict[str, dict[str, float]]:
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked

@@ -49,6 +49,8 @@ from streamrec.models.checkpoint import Checkpoint, load_checkpoint
 from streamrec.models.config import DTYPES, HSTUConfig
 from streamrec.models.inductor_setup import configure_inductor
 from streamrec.models.package_cache import PackageCache, PackageFiles, PackageLease
+from streamrec.models.quantization import apply_precision, kv_storage_dtype, model_precision
+from streamrec.models.serving_precision import ServingPrecision
 
 Runner = Callable[..., Any]
 _I64, _I32 = torch.int64, torch.int32
@@ -78,10 +80,12 @@ class AOTIModel:
         weights: nn.Module | None = None,
         check_values: bool = True,
         lease: PackageLease | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self._runners = runners
         self.config = config
         self.dtype = dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype  # the pool's dtype
         self.device = pinned(device)
         self.retrieve_k = retrieve_k
         self.package_dir = package_dir
@@ -94,6 +98,7 @@ class AOTIModel:
         return AOTIModel(
             self._runners, self.config, self.dtype, self.device, self.retrieve_k,
             self.package_dir, self.weights, check_values=False, lease=self.lease,
+            kv_dtype=self.kv_dtype,
         )  # fmt: skip
 
     # ---------------------------------------------------------- entry points
@@ -270,7 +275,7 @@ class AOTIModel:
         if users < 1:
             raise ModelError(f"{entry}: a batch of {users} users; need B >= 1")
         self._tensor(
-            entry, "kv_pool", kv_pool, self.dtype, 6,
+            entry, "kv_pool", kv_pool, self.kv_dtype, 6,
             cfg.num_layers, 2, None, None, cfg.num_heads, cfg.head_dim,
         )  # fmt: skip
         self._tensor(entry, "ts_pool", ts_pool, _I64, 2, *kv_pool.shape[2:4])
@@ -357,6 +362,7 @@ def load_package(
         dtype = DTYPES[str(manifest["key"]["dtype"])]
         retrieve_k = int(manifest["retrieve_k"])
         specs = dict(manifest["constants"])
+        precision = ServingPrecision(kv_dtype=str(manifest.get("kv_dtype", "model")))
     except (KeyError, TypeError, ValueError, ConfigError) as exc:
         raise ExportError(f"{package.directory}: manifest is incomplete: {exc}") from exc
     names = tuple(package.files) if entry_points is None else entry_points
@@ -378,7 +384,7 @@ def load_package(
         runners[name] = runner
     return AOTIModel(
         runners, config, dtype, device, retrieve_k, package.directory, weights, check_values,
-        lease,
+        lease, kv_storage_dtype(precision, dtype),
     )  # fmt: skip
 
 
@@ -410,6 +416,12 @@ def open_aoti_model(
         raise ExportError(f"dtype={dtype_name!r} must be one of {sorted(DTYPES)}")
     if checkpoint is None:
         checkpoint = _load_checkpoint(model_dir, target, dtype_name)
+        apply_precision(checkpoint.model, config.precision)
+    elif model_precision(checkpoint.model) != config.precision:
+        raise ExportError(
+            f"the checkpoint's model is at {model_precision(checkpoint.model)}, the export "
+            f"config asks for {config.precision}"
+        )
     root = Path(cache_dir)
     configure_inductor(root)
     key = package_key(model_config, dtype_name, checkpoint.version, target, config)

@@ -13,7 +13,9 @@ program of the first key range, so ``rank`` needs no separate self-attention ter
 
 Key ranges and their combination work as in ``paged_attention.py`` (the shared helpers
 live there): a partial per range in a workspace, the last range stores the sum in the
-input dtype.
+input dtype. An FP8 pool (``kv_scale``) is read as e4m3 codes, converted to the model
+dtype in registers (exact) for the tensor-core dots; the head's power-of-two scales go
+into the score scale (K) and into the accumulator after the cached keys (V).
 """
 
 from __future__ import annotations
@@ -73,14 +75,16 @@ def candidate_attention_reference(
     time_bias: torch.Tensor,
     edges: torch.Tensor,
     divisor: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The op's math in plain torch: q, k_self, v_self [B, C, H, d]; q_pos, q_ts [B]."""
+    """The op's math in plain torch: q, k_self, v_self [B, C, H, d]; q_pos, q_ts [B]; an
+    FP8 cache with ``kv_scale [2, H]``."""
     num_users, num_cands = q.shape[:2]
     users = torch.arange(num_users, device=q.device).repeat_interleave(num_cands)  # [B*C]
     cached = paged_silu_attention_reference(
         q.reshape(-1, *q.shape[2:]), q_pos[users], q_ts[users], users, None, None, None,
         k_cache, v_cache, ts_pool, block_tables, cached_lens, pos_bias, time_bias, edges,
-        divisor,
+        divisor, kv_scale,
     )  # fmt: skip
     own = self_attention_term(q, k_self, v_self, pos_bias[0] + time_bias[0], divisor)
     return cached.view_as(q) + own
@@ -139,6 +143,7 @@ if triton is not None:
         lens_ptr,  # [B]
         pos_bias_ptr,  # [NUM_POS, H]: bias0 = pos_bias[0] + time_bias[0]
         time_bias_ptr,  # [NUM_TIME, H]
+        kv_scale_ptr,  # [2, H] fp32 (KV_FP8): a cached value is code * scale
         out_ptr,  # [B, C, H, D] in q's dtype
         ws_ptr,  # [splits, B, C, H, D] fp32 partials (when splits > 1)
         ticket_ptr,  # [B * m_tiles, H] int32, zeroed (when splits > 1)
@@ -163,6 +168,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr,
         FAST: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         """A tile of one user's candidates x one head x one key range, on tensor cores."""
         pid = tl.program_id(0)
@@ -181,23 +187,32 @@ if triton is not None:
         q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=cmask[:, None], other=0.0)
         table_row = tables_ptr + user * max_blocks
         bias_row = kbias_ptr + (user * H + h) * span
+        if KV_FP8:  # noqa: SIM108 ((q . code) s scale = q . (code s) scale, exactly: s = 2^e)
+            k_scale = (scale * tl.load(kv_scale_ptr + h)).to(tl.float32)
+        else:
+            k_scale = scale
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         for start in range(k_start, k_end, BLOCK_N):
             blk = tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
             k, v = tile_kv(start, k_end, blk, block_size, h, k_ptr, v_ptr, stride_kv_block,
                            stride_kv_slot, D, BLOCK_N)  # fmt: skip
+            if KV_FP8:  # e4m3 codes in the model dtype (exact) for the dots
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             keys = start + tl.arange(0, BLOCK_N)  # [BN]
             bias = tl.load(bias_row + keys, mask=keys < k_end, other=0.0)  # [BN] fp32
             if IEEE:  # noqa: SIM108 (Triton resolves a constexpr if, not a ternary)
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = (s * scale).to(tl.float32) + bias[None, :]  # [BM, BN]
+            s = (s * k_scale).to(tl.float32) + bias[None, :]  # [BM, BN]
             w = silu_over_n(s, inv_divisor, FAST)  # masked keys: V rows are zero
             if IEEE:
                 acc += tl.dot(w, v.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(w.to(v.dtype), v)
+        if KV_FP8:  # Σ w (code * s) = s Σ w code: the V scale once, before the own key
+            acc = acc * tl.load(kv_scale_ptr + H + h)
         if split == 0:  # the candidate's own key: relative position 0, dt 0
             s_rows = user * stride_sb + cand * stride_sc + h * D  # [BM]
             offs = s_rows[:, None] + offs_d[None, :]
@@ -258,9 +273,11 @@ if triton is not None:
         num_stages: int = CAND_STAGES,
         target_programs: int = CAND_TARGET_PROGRAMS,
         fast: bool = True,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Both kernels with an explicit launch shape over q [B, C, H, d] (the op uses the
-        defaults; bench/h200_bench.py sweeps them). Returns [B, C, H, d] in q's dtype."""
+        defaults; bench/h200_bench.py sweeps them); an FP8 pool with ``kv_scale [2, H]``.
+        Returns [B, C, H, d] in q's dtype."""
         q, k_self, v_self = head_rows(q), head_rows(k_self), head_rows(v_self)
         num_users, num_cands, num_heads, head_dim = q.shape
         block_size = ts_pool.shape[1]
@@ -280,12 +297,13 @@ if triton is not None:
         ws, tickets = split_buffers(splits, outputs, tiles * num_heads, q.device)
         torch.library.wrap_triton(_candidate_kernel)[(tiles, num_heads, splits)](
             q, k_self, v_self, kbias, k_cache, v_cache, block_tables, cached_lens, pos_bias,
-            time_bias, out, ws, tickets, num_cands, m_tiles, max_blocks, block_size, span,
+            time_bias, cached_lens if kv_scale is None else kv_scale, out, ws, tickets,
+            num_cands, m_tiles, max_blocks, block_size, span,
             per_split, q.stride(0), q.stride(1), k_self.stride(0), k_self.stride(1),
             k_cache.stride(0), k_cache.stride(1), outputs, 1.0 / math.sqrt(head_dim),
             1.0 / divisor, H=num_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32, FAST=fast_silu_allowed(fast, q),
-            num_warps=num_warps, num_stages=num_stages,
+            KV_FP8=kv_scale is not None, num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         return out
 
@@ -305,11 +323,12 @@ if triton is not None:
         time_bias: torch.Tensor,
         edges: torch.Tensor,
         divisor: int,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """C candidates per user (q [B, C, H, d]) against the cache and themselves."""
         return launch_candidates(
             q, k_self, v_self, q_pos, q_ts, k_cache, v_cache, ts_pool, block_tables,
-            cached_lens, pos_bias, time_bias, edges, divisor,
+            cached_lens, pos_bias, time_bias, edges, divisor, kv_scale=kv_scale,
         )  # fmt: skip
 
 
@@ -327,11 +346,13 @@ def fused_candidate_attention(
     time_bias: torch.Tensor,
     edges: torch.Tensor,
     divisor: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Candidates q, k_self, v_self [B, C, H, d], C per user at one position/timestamp
-    per user, against ``kv_layer [2, NB, BS, H, d]`` and each its own key."""
-    check_inputs(q, kv_layer[0])
+    per user, against ``kv_layer [2, NB, BS, H, d]`` (FP8 codes with the layer's
+    ``kv_scale [2, H]``) and each its own key."""
+    check_inputs(q, kv_layer[0], kv_scale)
     return torch.ops.streamrec.paged_silu_attention_candidates(
         q, k_self, v_self, q_pos, q_ts, kv_layer[0], kv_layer[1], ts_pool, block_tables,
-        cached_lens, pos_bias, time_bias, edges, divisor,
+        cached_lens, pos_bias, time_bias, edges, divisor, kv_scale,
     )  # fmt: skip

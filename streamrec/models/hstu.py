@@ -27,6 +27,7 @@ from streamrec.models.attention import (
 )
 from streamrec.models.candidate_attention import fused_candidate_attention
 from streamrec.models.config import HSTUConfig
+from streamrec.models.fp8 import KVScales, gather_blocks
 from streamrec.models.fused_layer import fused_layer_usable, fused_output, fused_project
 from streamrec.models.paged_attention import fused_attention_enabled, fused_token_attention
 from streamrec.models.prefill_attention import fused_prefill_attention, fused_prefill_enabled
@@ -118,6 +119,8 @@ class HSTU(nn.Module):
         # "auto" | "torch" | "triton": cached-context attention through the fused op
         # (streamrec/models/paged_attention.py) on CUDA when Triton is present.
         self.attention_backend = attention_backend
+        # FP8 KV cache (models/precision.py): the scales K/V are cached with, else None.
+        self.kv_quant: KVScales | None = None
         self.retrieval_table = NormalizedTable()  # retrieve's normalised item rows
         # extend/rank: LayerNorm + GEMM + SiLU and the output tail as one kernel each
         # (streamrec/models/fused_layer.py) where that can run; never with "torch". Off
@@ -197,10 +200,27 @@ class HSTU(nn.Module):
         blocks = tables.long().clamp(0, num_blocks - 1)  # [G, MB]
         g, mb = blocks.shape
         span = mb * block_size
-        k = kv_pool[layer_idx, 0][blocks].reshape(g, span, *kv_pool.shape[-2:])
-        v = kv_pool[layer_idx, 1][blocks].reshape(g, span, *kv_pool.shape[-2:])
+        k = gather_blocks(kv_pool[layer_idx, 0], blocks).reshape(g, span, *kv_pool.shape[-2:])
+        v = gather_blocks(kv_pool[layer_idx, 1], blocks).reshape(g, span, *kv_pool.shape[-2:])
         ts = ts_pool[blocks].reshape(g, span)
+        if self.kv_quant is not None:  # FP8 codes -> values
+            k, v = self.kv_quant.load(layer_idx, k, v, self.norm_out.weight.dtype)
         return k, v, ts
+
+    def _cached_kv(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [..., H, d] as every query sees them, in the step that computes them and
+        later from the cache alike (FP8 KV: quantized and back; else unchanged)."""
+        return (k, v) if self.kv_quant is None else self.kv_quant.cached_form(layer_idx, k, v)
+
+    def _kv_storage(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's k, v [Lyr, T, H, d] in the pool's dtype."""
+        return (k, v) if self.kv_quant is None else self.kv_quant.store(k, v)
+
+    def _layer_kv_scale(self, layer_idx: int) -> torch.Tensor | None:
+        """The fused kernels' FP8 operand: the layer's [2, H] scales (None: model dtype)."""
+        return None if self.kv_quant is None else self.kv_quant.layer_scale(layer_idx)
 
     def _context_attention(
         self,
@@ -316,7 +336,7 @@ class HSTU(nn.Module):
                 q, k, v, cached_lens, query_ts, kv_pool[layer_idx], ts_pool, block_tables,
                 cached_lens, layer.pos_bias, layer.time_bias,
                 self.time_edges,  # type: ignore[arg-type]
-                n,
+                n, self._layer_kv_scale(layer_idx),
             )  # fmt: skip
         kc, vc, k_ts = self._gather_context(layer_idx, kv_pool, ts_pool, block_tables)
         span = kc.shape[1]
@@ -352,9 +372,10 @@ class HSTU(nn.Module):
         rel, dt, mask = self._dense_geometry(ts, valid)
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
-        for layer in self.layers:
+        for idx, layer in enumerate(self.layers):
             assert isinstance(layer, HSTULayer)
             u, v, q, k = layer.project(x)  # [B, L, H, d]
+            k, v = self._cached_kv(idx, k, v)
             bias = self._bias(layer, rel, dt).to(x.dtype)  # [B, H, L, L]
             attn = silu_attention(q, k, v, bias, mask, self.config.max_seq_len)
             x = layer.output(x, u, attn)
@@ -443,7 +464,8 @@ class HSTU(nn.Module):
         offsets: torch.Tensor,
         width: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Full recompute of whole histories; also returns the normed outputs z [T, D].
+        """Full recompute of whole histories; also returns the normed outputs z [T, D]
+        (k, v [Lyr, T, H, d] in the pool's dtype).
 
         On CUDA with Triton (and no explicit ``width``) the tokens stay jagged and the
         attention is the fused prefill op; otherwise each user's tokens go into a dense
@@ -477,22 +499,26 @@ class HSTU(nn.Module):
         k = torch.stack([kl.reshape(num_users * width, *heads)[grid] for kl in ks])
         v = torch.stack([vl.reshape(num_users * width, *heads)[grid] for vl in vs])
         z_tok = self.norm_out(z.reshape(num_users * width, d_model)[grid])  # [T, D]
-        return k, v, z_tok
+        return (*self._kv_storage(k, v), z_tok)
 
     def _prefill_jagged(
         self, items: torch.Tensor, actions: torch.Tensor, ts: torch.Tensor, offsets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``prefill_states`` on jagged tokens: projections over [T, D], fused attention,
-        no padding and no [B, W, W] temporaries."""
+        no padding and no [B, W, W] temporaries. FP8 KV: the kernel reads the codes the
+        pool will store."""
         x = self._embed(items, actions)  # [T, D]
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
-        for layer in self.layers:
+        for idx, layer in enumerate(self.layers):
             assert isinstance(layer, HSTULayer)
             u, v, q, k = layer.project(x)  # [T, H, d] (views of one projection)
+            if self.kv_quant is not None:
+                k, v = self.kv_quant.codes(idx, k, v)
             attn = fused_prefill_attention(
                 q, k, v, ts, offsets, layer.pos_bias, layer.time_bias,
                 self.time_edges, self.config.max_seq_len,  # type: ignore[arg-type]
+                self._layer_kv_scale(idx),
             )  # fmt: skip
             x = layer.output(x, u, attn)
             ks.append(k)
@@ -540,10 +566,12 @@ class HSTU(nn.Module):
         for idx, layer in enumerate(self.layers):
             assert isinstance(layer, HSTULayer)
             u, v, q, k = layer.project(x, fl)  # [T, H, d]
+            k, v = self._cached_kv(idx, k, v)
             if geo is None:  # cached keys, then the user's new keys up to the token
                 attn = fused_token_attention(
                     q, k, v, pos, ts, users, first, kv_pool[idx], ts_pool, block_tables,
                     cached_lens, layer.pos_bias, layer.time_bias, edges, n,
+                    self._layer_kv_scale(idx),
                 )  # fmt: skip
             else:
                 attn = self._context_attention(
@@ -553,7 +581,8 @@ class HSTU(nn.Module):
             ks.append(k)
             vs.append(v)
         z = self.norm_out(x)
-        return torch.stack(ks), torch.stack(vs), self._user_embedding(z, offsets)
+        k_new, v_new = self._kv_storage(torch.stack(ks), torch.stack(vs))
+        return k_new, v_new, self._user_embedding(z, offsets)
 
     def rank(
         self,

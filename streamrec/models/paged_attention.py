@@ -24,6 +24,13 @@ on shapes only, never on tensor values, so the op exports: ``triton_op`` + ``wra
 keep it as one graph node and AOTInductor packages the kernel. Without Triton (the CPU CI
 machine) only the torch reference exists and ``triton_available()`` is False. The
 candidate kernel of ``rank`` lives in ``candidate_attention.py`` and shares the helpers.
+
+An FP8 pool (``kv_scale`` given: the layer's ``[2, H]`` scales, models/fp8.py) is read
+as e4m3 codes, half the bytes of bf16, and dequantized in registers at no extra cost: a
+head's scale is one power of two, so it goes into the query (K) and into the accumulator
+once after the cached keys (V); scaling by a power of two commutes with rounding, so the
+sums are those over the dequantized values. The step's own new keys arrive already in
+their cached (dequantized) form.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from streamrec.errors import ModelError
 from streamrec.models.attention import relative_bias, silu_attention
+from streamrec.models.fp8 import check_kv_scale, dequantize, gather_blocks
 
 try:  # Triton ships with CUDA builds of torch only.
     import triton
@@ -76,20 +84,25 @@ def paged_silu_attention_reference(
     time_bias: torch.Tensor,
     edges: torch.Tensor,
     divisor: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The math of the op in plain torch (dense gathers): the oracle of the tests.
 
     q [G, H, d]; q_pos, q_ts, q_user [G]; k_cache, v_cache [NB, BS, H, d] (one layer of
-    the pool); ts_pool [NB, BS]; block_tables [B, MB]; cached_lens [B]. With ``q_start``
-    [G] the queries are the step's new tokens (k_new, v_new [G, H, d]) and query g also
-    sees tokens q_start[g] … g of them (position q_pos, timestamp q_ts). Returns [G, H, d].
+    the pool; FP8 codes with ``kv_scale [2, H]``); ts_pool [NB, BS]; block_tables
+    [B, MB]; cached_lens [B]. With ``q_start`` [G] the queries are the step's new tokens
+    (k_new, v_new [G, H, d]) and query g also sees tokens q_start[g] … g of them
+    (position q_pos, timestamp q_ts). Returns [G, H, d].
     """
     num_blocks, block_size = ts_pool.shape
     blocks = block_tables[q_user].long().clamp(0, num_blocks - 1)  # [G, MB]
     g, mb = blocks.shape
     span = mb * block_size
-    k = k_cache[blocks].reshape(g, span, *k_cache.shape[-2:])  # [G, S, H, d]
-    v = v_cache[blocks].reshape(g, span, *v_cache.shape[-2:])  # [G, S, H, d]
+    k = gather_blocks(k_cache, blocks).reshape(g, span, *k_cache.shape[-2:])  # [G, S, H, d]
+    v = gather_blocks(v_cache, blocks).reshape(g, span, *v_cache.shape[-2:])  # [G, S, H, d]
+    if kv_scale is not None:  # FP8 codes -> values
+        k = dequantize(k, kv_scale[0].unsqueeze(-1), q.dtype)
+        v = dequantize(v, kv_scale[1].unsqueeze(-1), q.dtype)
     k_ts = ts_pool[blocks].reshape(g, span)  # [G, S]
     key_pos = torch.arange(span, device=q.device, dtype=torch.int64)  # [S]
     mask = (key_pos.unsqueeze(0) < cached_lens[q_user].unsqueeze(1)).unsqueeze(1)  # [G, 1, S]
@@ -111,7 +124,9 @@ def paged_silu_attention_reference(
     return out + fresh.squeeze(1)
 
 
-def check_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+def check_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, kv_scale: torch.Tensor | None = None
+) -> None:
     """Eager-side validation: a compiled kernel would silently read garbage instead."""
     if q.dim() not in (3, 4) or k_cache.dim() != 4 or q.shape[-2:] != k_cache.shape[2:]:
         raise ModelError(
@@ -123,6 +138,7 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise ModelError(f"k_cache rows must be contiguous [H, d], strides {k_cache.stride()}")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ModelError(f"paged attention needs a power-of-two head_dim >= 16, got {head_dim}")
+    check_kv_scale(k_cache.dtype, kv_scale, k_cache.shape[-2])
 
 
 def fast_silu_allowed(fast: bool, q: torch.Tensor) -> bool:
@@ -320,6 +336,7 @@ if triton is not None:
         pos_bias_ptr,  # [NUM_POS, H]
         time_bias_ptr,  # [NUM_TIME, H]
         edges_ptr,  # [NUM_TIME - 1]
+        kv_scale_ptr,  # [2, H] fp32 (KV_FP8): a cached value is code * scale
         out_ptr,  # [G, H, D] in q's dtype
         ws_ptr,  # [splits, G, H, D] fp32 partials (when splits > 1)
         ticket_ptr,  # [G, H] int32, zeroed (when splits > 1)
@@ -341,6 +358,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         ACC2D: tl.constexpr,
         FAST: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         """One new token x one head x one key range: cached keys, then (range 0) the
         user's new keys up to the token itself."""
@@ -355,6 +373,10 @@ if triton is not None:
         offs_d = tl.arange(0, D)
         # Inductor passes Python floats as fp64 scalars: every product is cast to fp32.
         q = (tl.load(q_ptr + g * stride_q + h * D + offs_d).to(tl.float32) * scale).to(tl.float32)
+        if KV_FP8:  # noqa: SIM108 (q . (code * s) = (q * s) . code, exactly: s = 2^e)
+            q_cached = (q * tl.load(kv_scale_ptr + h)).to(tl.float32)
+        else:
+            q_cached = q
         pos = tl.load(q_pos_ptr + g).to(tl.int32)
         ts_q = tl.load(q_ts_ptr + g)
         edges, tb_delta, tb0 = time_table(time_bias_ptr, edges_ptr, h, H, NUM_TIME, NT_P2)
@@ -369,9 +391,11 @@ if triton is not None:
                             stride_kv_slot, D, BLOCK_N)  # fmt: skip
             k_ts = tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N)
             keys = start + tl.arange(0, BLOCK_N)  # [BN]
-            acc = _decode_tile(acc, q, k, v, pos - keys, keys < k_end, ts_q - k_ts, h,
+            acc = _decode_tile(acc, q_cached, k, v, pos - keys, keys < k_end, ts_q - k_ts, h,
                                pos_bias_ptr, edges, tb_delta, tb0, inv_divisor, H, NUM_POS,
                                ACC2D, FAST)  # fmt: skip
+        if KV_FP8:  # Σ w (code * s) = s Σ w code: the V scale once, before the new keys
+            acc = acc * tl.load(kv_scale_ptr + H + h)
         if split == 0:  # this call's own tokens of the user: q_start[g] .. g
             # (names of their own: a name the key loop above assigned would be carried
             # into this loop with the key loop's types, int32 keys against int64 here)
@@ -415,9 +439,11 @@ if triton is not None:
         target_programs: int = TARGET_PROGRAMS,
         fast: bool = True,
         acc2d: bool = DECODE_ACC2D,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decode kernel with an explicit launch shape (the op uses the defaults;
-        bench/h200_bench.py sweeps them). Returns [G, H, d] in q's dtype."""
+        bench/h200_bench.py sweeps them); an FP8 pool with ``kv_scale [2, H]``. Returns
+        [G, H, d] in q's dtype."""
         q, k_new, v_new = head_rows(q), head_rows(k_new), head_rows(v_new)
         num_queries, num_heads, head_dim = q.shape
         block_size = ts_pool.shape[1]
@@ -431,12 +457,14 @@ if triton is not None:
         ws, tickets = split_buffers(splits, outputs, num_queries * num_heads, q.device)
         torch.library.wrap_triton(_decode_kernel)[(num_queries, num_heads, splits)](
             q, q_pos, q_ts, q_user, q_start, k_new, v_new, k_cache, v_cache, ts_pool,
-            block_tables, cached_lens, pos_bias, time_bias, edges, out, ws, tickets,
+            block_tables, cached_lens, pos_bias, time_bias, edges,
+            q_pos if kv_scale is None else kv_scale, out, ws, tickets,
             max_blocks, block_size, per_split, q.stride(0), k_new.stride(0),
             k_cache.stride(0), k_cache.stride(1), outputs, 1.0 / math.sqrt(head_dim),
             1.0 / divisor, H=num_heads, D=head_dim, NUM_POS=pos_bias.shape[0],
             NUM_TIME=time_bias.shape[0], NT_P2=next_pow2(max(2, time_bias.shape[0] - 1)),
-            BLOCK_N=block_n, ACC2D=acc2d, FAST=fast_silu_allowed(fast, q), num_warps=num_warps,
+            BLOCK_N=block_n, ACC2D=acc2d, FAST=fast_silu_allowed(fast, q),
+            KV_FP8=kv_scale is not None, num_warps=num_warps,
         )  # fmt: skip
         return out
 
@@ -458,11 +486,13 @@ if triton is not None:
         time_bias: torch.Tensor,
         edges: torch.Tensor,
         divisor: int,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of the step's new tokens to their user's cache and to each other."""
         return launch_decode(
             q, q_pos, q_ts, q_user, q_start, k_new, v_new, k_cache, v_cache, ts_pool,
             block_tables, cached_lens, pos_bias, time_bias, edges, divisor,
+            kv_scale=kv_scale,
         )  # fmt: skip
 
 
@@ -507,11 +537,14 @@ def fused_token_attention(
     time_bias: torch.Tensor,
     edges: torch.Tensor,
     divisor: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The step's new tokens q, k_new, v_new [T, H, d] (jagged by user) against their
-    user's cache ``kv_layer [2, NB, BS, H, d]`` and each other, causally."""
-    check_inputs(q, kv_layer[0])
+    user's cache ``kv_layer [2, NB, BS, H, d]`` and each other, causally. An FP8 pool
+    needs the layer's ``kv_scale [2, H]``; the new keys/values are then their cached
+    (dequantized) form."""
+    check_inputs(q, kv_layer[0], kv_scale)
     return torch.ops.streamrec.paged_silu_attention(
         q, q_pos, q_ts, q_user, q_start, k_new, v_new, kv_layer[0], kv_layer[1], ts_pool,
-        block_tables, cached_lens, pos_bias, time_bias, edges, divisor,
+        block_tables, cached_lens, pos_bias, time_bias, edges, divisor, kv_scale,
     )  # fmt: skip

@@ -31,6 +31,7 @@ from streamrec.models.attention import (
     silu_attention,
     time_bucket_edge_values,
 )
+from streamrec.models.fp8 import check_kv_scale, dequantize
 from streamrec.models.paged_attention import fused_attention_enabled
 from streamrec.models.prefill_kernels import (
     CAND_LAUNCH,
@@ -76,12 +77,16 @@ def jagged_silu_attention_reference(
     time_bias: torch.Tensor,
     edges: torch.Tensor,
     divisor: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal SiLU attention of each user's tokens, one dense block per user: the oracle.
 
-    q, k, v [T, H, d]; ts [T] int64; offsets [B+1]. Returns [T, H, d]. Eager only (one
-    host read of the offsets).
+    q, k, v [T, H, d] (k, v FP8 codes with ``kv_scale [2, H]``); ts [T] int64; offsets
+    [B+1]. Returns [T, H, d]. Eager only (one host read of the offsets).
     """
+    if kv_scale is not None:  # FP8 codes -> values
+        k = dequantize(k, kv_scale[0].unsqueeze(-1), q.dtype)
+        v = dequantize(v, kv_scale[1].unsqueeze(-1), q.dtype)
     out = torch.zeros_like(q)
     bounds = offsets.tolist()
     for start, end in itertools.pairwise(bounds):
@@ -134,7 +139,12 @@ def jagged_candidate_attention_reference(
 
 
 def check_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Eager-side validation: a compiled kernel would silently read garbage instead."""
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
@@ -142,6 +152,9 @@ def check_inputs(
             f"prefill attention wants q, k, v [T, H, d] alike, got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
+    if k.dtype != v.dtype:
+        raise ModelError(f"prefill attention wants k, v of one dtype, got {k.dtype}, {v.dtype}")
+    check_kv_scale(k.dtype, kv_scale, q.shape[1])
     head_dim = q.shape[-1]
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ModelError(f"prefill attention needs a power-of-two head_dim >= 16, got {head_dim}")
@@ -165,10 +178,14 @@ if triton_available():
         time_bias: torch.Tensor,
         edges: torch.Tensor,
         divisor: int,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal SiLU attention of every user's tokens (q, k, v [T, H, d] jagged)."""
         launch = FP32_LAUNCH if q.dtype == torch.float32 else PREFILL_LAUNCHES[0]
-        return launch_prefill(q, k, v, ts, offsets, pos_bias, time_bias, edges, divisor, *launch)
+        return launch_prefill(
+            q, k, v, ts, offsets, pos_bias, time_bias, edges, divisor, *launch,
+            kv_scale=kv_scale,
+        )  # fmt: skip
 
     @torch.library.triton_op(OP_CANDIDATES, mutates_args={})
     def jagged_silu_attention_candidates(
@@ -221,11 +238,13 @@ def fused_prefill_attention(
     time_bias: torch.Tensor,
     edges: torch.Tensor,
     divisor: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Jagged causal attention (q, k, v [T, H, d]; offsets [B+1]) through the fused op."""
-    check_inputs(q, k, v, PREFILL_BLOCK_M, PREFILL_BLOCK_N)
+    """Jagged causal attention (q, k, v [T, H, d]; offsets [B+1]) through the fused op;
+    k, v may be FP8 codes with the layer's ``kv_scale [2, H]``."""
+    check_inputs(q, k, v, PREFILL_BLOCK_M, PREFILL_BLOCK_N, kv_scale)
     return torch.ops.streamrec.jagged_silu_attention(
-        q, k, v, ts, offsets, pos_bias, time_bias, edges, divisor
+        q, k, v, ts, offsets, pos_bias, time_bias, edges, divisor, kv_scale
     )
 
 

@@ -22,6 +22,12 @@ rows with int32 offsets from the user's first row.
 Candidates (the rank rule of a full recompute) share one bias row per key; small batches
 are cut along the keys (fp32 atomics: SiLU attention has no softmax, partial sums add).
 The launch shapes were chosen offline (``bench/kernel_resources.py``).
+
+FP8 K/V (``kv_scale``, the layer's ``[2, H]`` power-of-two scales of models/fp8.py): the
+prefill kernel reads e4m3 codes, converts them to the query's dtype in registers (exact)
+and folds the head's K scale into the score scale and its V scale into the final 1/N,
+so it computes what it would over the dequantized values. (The candidate kernel, used by
+the full-recompute baseline only, reads the model dtype.)
 """
 
 from __future__ import annotations
@@ -285,12 +291,17 @@ if triton is not None:
         tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v, half_scale,
         D: tl.constexpr, NUM_CELLS: tl.constexpr, BLOCK_N: tl.constexpr,
         DIAGONAL: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):  # fmt: skip
-        """acc + Σ_j silu(q·k_j/√d + rab) v_j over keys n0 … n0+BLOCK_N-1 (times N)."""
+        """acc + Σ_j silu(q·k_j/√d + rab) v_j over keys n0 … n0+BLOCK_N-1 (times N; with
+        KV_FP8 k, v are codes and the scales are in ``half_scale`` and the caller's 1/N)."""
         cols = n0 + tl.arange(0, BLOCK_N)  # [BN] positions in the user
         # (diagonal tiles: keys past the user's end read as zeros and are masked below)
         k, v, ts_k = _key_tile(k_base, v_base, ts_base, cols, n, stride_k, stride_v, D,
                                DIAGONAL)  # fmt: skip
+        if KV_FP8:  # e4m3 codes in the query's dtype (exact) for the dots
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = _scores(q, k, IEEE)  # [BM, BN] fp32
         # i - j needs no clamp: the padded row covers the diagonal and the padding rows
         bias = tl.load(pos_row + (rows[:, None] - n0) - tl.arange(0, BLOCK_N)[None, :])
@@ -315,6 +326,7 @@ if triton is not None:
         cell_edge_ptr,  # [NUM_CELLS] fp64
         cell_base_ptr,  # [NUM_CELLS] int32
         edges_ptr,  # [NUM_TIME - 1] int64
+        kv_scale_ptr,  # [2, H] fp32 (KV_FP8): a key/value is code * scale
         out_ptr,  # [T, H, D] contiguous
         num_users,
         stride_q,
@@ -333,6 +345,7 @@ if triton is not None:
         USER_CHUNK: tl.constexpr,
         IEEE: tl.constexpr,
         FAST: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         """One query tile of one user x one head, causal over that user's keys."""
         pid = tl.program_id(0)
@@ -366,21 +379,27 @@ if triton is not None:
             q_lo, q_hi = _ts_range(range_row, m0 // BLOCK_N, BLOCK_M // BLOCK_N, n, BLOCK_N)
             pos_row = pos_ptr + h * (NUM_POS + 2 * POS_PAD) + POS_PAD
             tb_row = tb_ptr + h * NUM_TIME
+            if KV_FP8:  # the head's power-of-two scales: K into the scores, V into 1/N
+                s_half = (half_scale * tl.load(kv_scale_ptr + h)).to(tl.float32)
+                s_out = (inv_divisor * tl.load(kv_scale_ptr + H + h)).to(tl.float32)
+            else:
+                s_half = half_scale
+                s_out = inv_divisor
             acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
             for n0 in range(0, m0, BLOCK_N):  # below the diagonal: no mask
                 acc = _prefill_tile(
                     acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
                     pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
-                    half_scale, D, NUM_CELLS, BLOCK_N, False, IEEE, FAST,
+                    s_half, D, NUM_CELLS, BLOCK_N, False, IEEE, FAST, KV_FP8,
                 )  # fmt: skip
             for n0 in range(m0, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the diagonal
                 acc = _prefill_tile(
                     acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
                     pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
-                    half_scale, D, NUM_CELLS, BLOCK_N, True, IEEE, FAST,
+                    s_half, D, NUM_CELLS, BLOCK_N, True, IEEE, FAST, KV_FP8,
                 )  # fmt: skip
             out = out_ptr + ((start + rows)[:, None] * H + h) * D + offs_d[None, :]
-            acc = (acc * inv_divisor).to(out_ptr.dtype.element_ty)  # the constant N, once
+            acc = (acc * s_out).to(out_ptr.dtype.element_ty)  # the constant N, once
             tl.store(out, acc, mask=rmask[:, None])
 
     @triton.jit
@@ -503,9 +522,11 @@ if triton is not None:
         num_warps: int = PREFILL_WARPS,
         num_stages: int = PREFILL_STAGES,
         fast: bool = True,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The prefill kernel with an explicit launch shape (the op uses the defaults;
-        bench/h200_bench.py sweeps them). Returns [T, H, d] in q's dtype."""
+        bench/h200_bench.py sweeps them); FP8 k, v with ``kv_scale [2, H]``. Returns
+        [T, H, d] in q's dtype."""
         q, k, v = _heads_strided(q), _heads_strided(k), _heads_strided(v)
         ts, offsets = ts.contiguous(), offsets.contiguous()  # indexed as dense vectors
         _check_offsets(pos_bias.shape[0], q, k, v)
@@ -524,12 +545,14 @@ if triton is not None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         grid = (num_tokens // block_m + num_users + 1, num_heads)
         torch.library.wrap_triton(_prefill_kernel)[grid](
-            q, k, v, ts, offsets, ranges, *tables, edges, out, num_users, q.stride(0),
+            q, k, v, ts, offsets, ranges, *tables, edges,
+            offsets if kv_scale is None else kv_scale, out, num_users, q.stride(0),
             k.stride(0), v.stride(0), 0.5 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads,
             D=head_dim, NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
             NUM_CELLS=NUM_CELLS, POS_PAD=POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n,
             USER_CHUNK=USER_CHUNK, IEEE=q.dtype == torch.float32,
-            FAST=fast_silu_allowed(fast, q), num_warps=num_warps, num_stages=num_stages,
+            FAST=fast_silu_allowed(fast, q), KV_FP8=kv_scale is not None, num_warps=num_warps,
+            num_stages=num_stages,
         )  # fmt: skip
         return out
 

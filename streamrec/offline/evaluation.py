@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 from streamrec.models.checkpoint import load_checkpoint
+from streamrec.models.quantization import apply_precision
+from streamrec.models.serving_precision import MODEL_PRECISION, ServingPrecision
 from streamrec.offline.datasets import InteractionLog
 
 
@@ -85,10 +87,16 @@ def evaluate(
     exclude_history: bool = False,
     device: str = "cpu",
     report: TextIO | None = sys.stdout,
+    dtype: str = "float32",
+    precision: ServingPrecision = MODEL_PRECISION,
 ) -> EvalResult:
-    """Leave-last-out HR@k / NDCG@k / MRR of a model directory and of most-popular."""
-    ckpt = load_checkpoint(model_dir, device=device, dtype="float32")
-    model, vocab, cfg = ckpt.model, ckpt.vocab, ckpt.config
+    """Leave-last-out HR@k / NDCG@k / MRR of a model directory and of most-popular.
+
+    ``dtype`` and ``precision`` (FP8 KV cache, FP8 weights) evaluate the model as it would
+    serve: a prefill at that precision is what incremental serving computes.
+    """
+    ckpt = load_checkpoint(model_dir, device=device, dtype=dtype)
+    model, vocab, cfg = apply_precision(ckpt.model, precision), ckpt.vocab, ckpt.config
     history, held_out = data.leave_last_out()
     rows = vocab.lookup(history.items.tolist())
     targets = vocab.lookup(held_out.items.tolist())

@@ -255,7 +255,7 @@ async def run_demo(cfg: DemoConfig, config: WorkerConfig, source: DemoSource,
                    out: TextIO | None = None) -> DemoReport:  # fmt: skip
     """Broker, worker, two replays and the closing table (returned and printed)."""
     out = out if out is not None else sys.stdout  # looked up per call: tests capture it
-    loaded = await asyncio.to_thread(load_model, config.model)
+    loaded = await asyncio.to_thread(load_model, config.model, kv_dtype=config.cache.kv_dtype)
     hstu = loaded.checkpoint.config
     out.write(_model_line(loaded, config) + "\n")
     chosen = replay_users(source.log, cfg.users, cfg.events_per_user)

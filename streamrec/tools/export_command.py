@@ -5,9 +5,10 @@ must cover the worker's ``scoring.num_candidates``), so exporting ahead of a dep
 the worker's start into a load (seconds) instead of a compile (minutes). The model
 directory, the cache and the device come from the worker's configuration (``--model``,
 ``--cache-dir``, ``--device`` are its shortcuts), so the package built is the one the
-worker with that configuration looks for. ``--jobs N`` compiles N entry points at a
-time, each in its own process (each loads the model: mind the memory of an 8-layer,
-1M-item model, several GB per process).
+worker with that configuration looks for, at its precision too (``cache.kv_dtype``,
+``model.weight_dtype``, e.g. ``--set cache.kv_dtype=fp8_e4m3``). ``--jobs N`` compiles
+N entry points at a time, each in its own process (each loads the model: mind the
+memory of an 8-layer, 1M-item model, several GB per process).
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ def run_export(args: argparse.Namespace, config: WorkerConfig, device: str) -> i
     retrieve_k = args.retrieve_k or export_config_for(config.scoring).retrieve_k
     try:
         export = ExportConfig(
-            entry_points=tuple(args.entry_points.split(",")), retrieve_k=retrieve_k
-        )
+            entry_points=tuple(args.entry_points.split(",")), retrieve_k=retrieve_k,
+            precision=config.precision,
+        )  # fmt: skip
         directory = export_model(
             model_cfg.model_dir, device, model_cfg.aoti_cache_dir, dtype=args.dtype,
             config=export, progress=progress, force=args.force, jobs=args.jobs,

@@ -181,6 +181,7 @@ class App:
                 self.config.model,
                 self.config.scoring,
                 self.config.cache.embedding_cache_rows,
+                self.config.cache.kv_dtype,
             )
         loaded = self.loaded
         hstu = loaded.checkpoint.config

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
 from streamrec.errors import ConfigError, StreamrecError
+from streamrec.models.serving_precision import KV_DTYPES, WEIGHT_DTYPES, ServingPrecision
 from streamrec.pipeline.micro_batcher import BatcherConfig
 from streamrec.pipeline.scoring_config import ScoringConfig
 
@@ -284,8 +285,10 @@ class CacheConfig(_Section):
     disk_tier_bytes: int = 0
     disk_tier_dir: Path = Path(".streamrec-cache/disk-kv")
     disk_tier_fsync: bool = False
+    kv_dtype: str = "model"  # "fp8_e4m3": K/V as e4m3 codes, half the bytes (models/fp8.py)
 
     def _validate(self) -> None:
+        self._one_of("kv_dtype", KV_DTYPES)
         self._require(self.kv_budget_bytes >= 0, "kv_budget_bytes", "must be >= 0")
         self._require(
             0.0 < self.kv_budget_fraction <= 1.0, "kv_budget_fraction", "must be in (0, 1]"
@@ -326,10 +329,12 @@ class ModelConfig(_Section):
     device: str = "auto"
     cuda_graphs: bool = True
     graph_max_tokens: int = 4096
+    weight_dtype: str = "model"  # "fp8": the layers' GEMMs in e4m3 (models/fp8_linear.py)
 
     def _validate(self) -> None:
         self._require(str(self.model_dir) != "", "model_dir", "must not be empty")
         self._one_of("device", DEVICES)
+        self._one_of("weight_dtype", WEIGHT_DTYPES)
         self._positive("graph_max_tokens")
 
 
@@ -426,6 +431,11 @@ class WorkerConfig:
                 f"batching.max_batch_users = {self.batching.max_batch_users}: must be <= "
                 f"batching.queue_high_watermark ({self.batching.queue_high_watermark})"
             )
+
+    @property
+    def precision(self) -> ServingPrecision:
+        """``cache.kv_dtype`` and ``model.weight_dtype``: what the loaded model is turned into."""
+        return ServingPrecision(self.cache.kv_dtype, self.model.weight_dtype)
 
     def to_dict(self, *, mask_secrets: bool = True) -> dict[str, dict[str, Any]]:
         """Plain nested dict of the configurable fields (paths as strings); secrets masked

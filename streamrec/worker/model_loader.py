@@ -20,6 +20,8 @@ from streamrec.errors import ExportError, ModelError
 from streamrec.models.aoti_export import ExportConfig
 from streamrec.models.aoti_runtime import open_aoti_model
 from streamrec.models.checkpoint import Checkpoint, load_checkpoint, load_item_table
+from streamrec.models.quantization import apply_precision
+from streamrec.models.serving_precision import MODEL_PRECISION, ServingPrecision
 from streamrec.pipeline.graphed_model import GraphedModel, capture_serving_graphs
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
@@ -51,9 +53,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def export_config_for(scoring: ScoringConfig) -> ExportConfig:
+def export_config_for(
+    scoring: ScoringConfig, precision: ServingPrecision = MODEL_PRECISION
+) -> ExportConfig:
     """The export settings the worker loads with; ``streamrec export`` uses the same."""
-    return ExportConfig(retrieve_k=max(ExportConfig().retrieve_k, scoring.num_candidates))
+    return ExportConfig(
+        retrieve_k=max(ExportConfig().retrieve_k, scoring.num_candidates), precision=precision
+    )
 
 
 def load_serving_model(
@@ -61,6 +67,7 @@ def load_serving_model(
     checkpoint: Checkpoint,
     device: torch.device,
     scoring: ScoringConfig | None = None,
+    precision: ServingPrecision = MODEL_PRECISION,
 ) -> tuple[ServingModel, str]:
     """The AOTI package of ``checkpoint`` from the package cache, else the eager module.
 
@@ -78,7 +85,7 @@ def load_serving_model(
             model_cfg.aoti_cache_dir,
             compile_if_missing=False,
             checkpoint=checkpoint,
-            config=export_config_for(scoring or ScoringConfig()),
+            config=export_config_for(scoring or ScoringConfig(), precision),
         )
     except ExportError as exc:
         if model_cfg.require_aoti:
@@ -99,9 +106,13 @@ def load_serving_model(
 
 
 def load_model(
-    model_cfg: ModelConfig, scoring: ScoringConfig | None = None, embedding_cache_rows: int = 0
+    model_cfg: ModelConfig,
+    scoring: ScoringConfig | None = None,
+    embedding_cache_rows: int = 0,
+    kv_dtype: str = "model",
 ) -> LoadedModel:
-    """Load ``model_cfg.model_dir`` onto the configured device (blocking: call it off-loop).
+    """Load ``model_cfg.model_dir`` onto the configured device (blocking: call it off-loop),
+    at ``model_cfg.weight_dtype`` and ``kv_dtype`` (``cache.kv_dtype``).
 
     With ``embedding_cache_rows`` smaller than the item table the table never reaches the
     device: the weights load on the host, the table is memory-mapped, and the rest of the
@@ -109,15 +120,18 @@ def load_model(
     served eagerly (an error under ``require_aoti``).
     """
     device = resolve_device(model_cfg.device)
+    precision = ServingPrecision(kv_dtype, model_cfg.weight_dtype)
     if embedding_cache_rows <= 0:
         checkpoint = load_checkpoint(model_cfg.model_dir, device=device)
-        model, backend = load_serving_model(model_cfg, checkpoint, device, scoring)
+        apply_precision(checkpoint.model, precision)
+        model, backend = load_serving_model(model_cfg, checkpoint, device, scoring, precision)
         return LoadedModel(checkpoint=checkpoint, model=model, backend=backend, device=device)
     checkpoint = load_checkpoint(model_cfg.model_dir, device="cpu")
+    apply_precision(checkpoint.model, precision)
     hstu = checkpoint.config
     if embedding_cache_rows >= hstu.num_items:  # the table fits the budget: as usual
         checkpoint.model.to(device)
-        model, backend = load_serving_model(model_cfg, checkpoint, device, scoring)
+        model, backend = load_serving_model(model_cfg, checkpoint, device, scoring, precision)
         return LoadedModel(checkpoint=checkpoint, model=model, backend=backend, device=device)
     if model_cfg.require_aoti:
         raise ModelError(

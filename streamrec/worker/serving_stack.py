@@ -25,6 +25,7 @@ from streamrec.cache.retrieval_set import RetrievalSet
 from streamrec.errors import ConfigError
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
+from streamrec.models.quantization import kv_storage_dtype, model_precision
 from streamrec.pipeline.item_catalog import ItemCatalog
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
@@ -48,11 +49,17 @@ def serving_model(
 
 
 def build_tiers(c: CacheConfig, loaded: LoadedModel) -> KVTiers:
-    """The GPU pool (allocated once, here) and the host tier behind it."""
+    """The GPU pool (allocated once, here) and the host tier behind it, in the dtype of
+    the K/V the loaded model returns (``cache.kv_dtype``, applied by ``load_model``)."""
     hstu = loaded.checkpoint.config
-    geometry = KVCacheConfig(
-        hstu.num_layers, hstu.num_heads, hstu.head_dim, c.block_size, hstu.torch_dtype
-    )
+    precision = model_precision(loaded.checkpoint.model)
+    if precision.kv_dtype != c.kv_dtype:
+        raise ConfigError(
+            f"cache.kv_dtype = {c.kv_dtype!r} but the model was loaded with "
+            f"kv_dtype={precision.kv_dtype!r} (pass cache.kv_dtype to load_model)"
+        )
+    dtype = kv_storage_dtype(precision, hstu.torch_dtype)
+    geometry = KVCacheConfig(hstu.num_layers, hstu.num_heads, hstu.head_dim, c.block_size, dtype)
     if c.kv_budget_bytes:
         cache = KVCache.from_budget(geometry, loaded.device, budget_bytes=c.kv_budget_bytes)
     elif loaded.device.type == "cpu":  # RAM is shared with everything else: cap it

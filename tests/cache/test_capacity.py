@@ -38,6 +38,17 @@ def test_embedding_cache_catalog_plan() -> None:
         catalog_plan(10, 8, 2, 100, slot_share=1)
 
 
+def test_an_fp8_pool_holds_twice_the_users() -> None:
+    """Issue 18's capacity target (>= 1.9x users at the same history length)."""
+    for history in (1000, 2048, 4096):
+        users = {}
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            kv = KVCacheConfig(num_layers=8, num_heads=4, head_dim=128, block_size=16, dtype=dtype)
+            users[dtype] = capacity_report(kv, history, 100 * GIB, 64 * GIB)[0].users
+        ratio = users[torch.float8_e4m3fn] / users[torch.bfloat16]
+        assert 1.99 < ratio <= 2.0, (history, users)
+
+
 def test_partial_blocks_and_bad_input() -> None:
     kv = KVCacheConfig(num_layers=1, num_heads=1, head_dim=2, block_size=4, dtype=torch.float32)
     (gpu, host, disk, store) = capacity_report(kv, 5, 10 * kv.bytes_per_block, None, 1000)

@@ -87,6 +87,35 @@ def test_disk_tier_round_trip_through_all_three_tiers(tmp_path: Path) -> None:
     assert _files(tmp_path) == []
 
 
+def test_an_fp8_pool_round_trips_its_codes_through_disk(tmp_path: Path) -> None:
+    """FP8 codes (cache.kv_dtype = fp8_e4m3) go to the host and to disk as their bytes
+    (half a bf16 file) and come back unchanged."""
+    fp8 = KVCacheConfig(num_layers=2, num_heads=1, head_dim=4, block_size=4,
+                        dtype=torch.float8_e4m3fn)  # fmt: skip
+    cache = KVCache(fp8, num_blocks=6, device="cpu")
+    disk = DiskTier(cache, tmp_path, 8 * file_bytes(cache, 2), "v1", max_blocks=MAX_BLOCKS,
+                    staging_users=2)  # fmt: skip
+    tiers = KVTiers(cache, HostTier(cache, 4), max_seq_len=16, disk=disk)
+    gen = torch.Generator().manual_seed(0)
+    saved = {}
+    for user in "abcdef":
+        tiers.settle([user])
+        assert isinstance(tiers.ensure_room({user: 8}), Admission)
+        slots = tiers.append(user, 8)
+        k, v = ((torch.randn(2, 8, 1, 4, generator=gen) * 50).to(fp8.dtype) for _ in "kv")
+        tiers.cache.write(slots, k, v, torch.arange(8) + 10**12)
+        tiers.unpin([user])
+        saved[user] = [t.view(torch.uint8).clone() for t in cache.read(user)[:2]]
+    assert tiers.resolve("a") == {"a": DISK}
+    assert tiers.settle(["a"]) == {"a": DISK}
+    assert tiers.ensure_room({"a": 0}).outcomes == {"a": DISK}  # type: ignore[union-attr]
+    tiers.unpin(["a"])
+    for got, want in zip(cache.read("a")[:2], saved["a"], strict=True):
+        assert got.dtype == fp8.dtype and torch.equal(got.view(torch.uint8), want)
+    assert file_bytes(cache, 2) < file_bytes(KVCache(CFG, 6, "cpu"), 2)
+    tiers.close()
+
+
 def test_disk_tier_window_trim_on_the_way_back(tmp_path: Path) -> None:
     tiers = _tiers(tmp_path)
     for user in "abcdef":

@@ -53,11 +53,22 @@ def test_offload_then_onload_returns_identical_bytes_on_cpu() -> None:
     assert stats.bytes_offloaded == stats.bytes_onloaded == 3 * host.cache.config.bytes_per_block
 
 
+def test_an_fp8_pool_round_trips_its_codes_at_half_the_bytes() -> None:
+    host = _round_trip("cpu", torch.float8_e4m3fn)
+    assert host.kv.dtype == torch.float8_e4m3fn
+    bf16 = KVCacheConfig(num_layers=2, num_heads=2, head_dim=8, block_size=4)
+    fp8 = host.cache.config
+    assert host.stats().bytes_offloaded == 3 * fp8.bytes_per_block
+    # K/V bytes halve; the int64 timestamps stay
+    assert fp8.bytes_per_block == (bf16.bytes_per_block - 4 * 8) // 2 + 4 * 8
+
+
 @pytest.mark.gpu
-def test_offload_then_onload_returns_identical_bytes_on_cuda() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_offload_then_onload_returns_identical_bytes_on_cuda(dtype: torch.dtype) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    host = _round_trip("cuda", torch.bfloat16)
+    host = _round_trip("cuda", dtype)
     assert host.pinned
     torch.cuda.synchronize()
 

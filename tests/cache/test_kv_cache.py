@@ -47,6 +47,36 @@ def test_writes_through_block_tables_equal_a_dense_reference() -> None:
         assert torch.equal(cache.ts[blocks, pos % CFG.block_size], ref_ts)
 
 
+def test_an_fp8_pool_stores_the_models_codes_and_refuses_other_dtypes() -> None:
+    fp8 = KVCacheConfig(2, 2, 4, 4, torch.float8_e4m3fn)
+    assert fp8.bytes_per_token == 2 * 2 * 2 * 4 * 1 + 8
+    cache = KVCache(fp8, num_blocks=8, device="cpu")
+    gen = torch.Generator().manual_seed(1)
+    scale = torch.tensor([[[0.25, 0.5], [1.0, 2.0]], [[0.125, 1.0], [4.0, 0.5]]])  # [Lyr,2,H]
+    values: list[torch.Tensor] = []
+    for n in (3, 6):  # a block filled over two appends
+        slots = cache.pool.append("a", n)
+        assert not isinstance(slots, NoRoom)
+        k, v, ts = _tokens(gen, n)
+        kq = (k / scale[:, 0, None, :, None]).to(torch.float8_e4m3fn)
+        vq = (v / scale[:, 1, None, :, None]).to(torch.float8_e4m3fn)
+        cache.write(slots, kq, vq, ts)
+        values.append(kq.float() * scale[:, 0, None, :, None])
+        with pytest.raises(CacheError, match="float8_e4m3fn pool"):
+            cache.write(slots, k, v, ts)  # unquantized values: the cache cannot scale them
+    codes, _, _ = cache.read("a")
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (2, 9, 2, 4)
+    k_val, _, _ = cache.read("a", scale)
+    assert k_val.dtype == torch.float32
+    assert torch.equal(k_val, torch.cat(values, dim=1))
+    plain = KVCache(CFG, num_blocks=4, device="cpu")
+    slots = plain.pool.append("a", 2)
+    assert not isinstance(slots, NoRoom)
+    k, v, ts = _tokens(gen, 2)
+    with pytest.raises(CacheError, match="float32 pool"):
+        plain.write(slots, k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), ts)
+
+
 def test_batch_tables_of_empty_users_have_one_column() -> None:
     cache = KVCache(CFG, num_blocks=2, device="cpu")
     cache.pool.append("u", 0)

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from streamrec.errors import ConfigError
+from streamrec.models.serving_precision import ServingPrecision
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.worker.config import (
     SECRET_MASK,
@@ -125,6 +126,8 @@ def test_toml_int_accepted_for_float_field_and_str_for_path(tmp_path: Path) -> N
         ("env", {"STREAMREC_BATCHING__MAX_WAIT_MS": "-1"}, ["batching.max_wait_ms", "-1.0"]),
         ("env", {"STREAMREC_TOPICS__OUTPUT_FORMAT": "avro"}, ["topics.output_format", "'avro'"]),
         ("env", {"STREAMREC_MODEL__DEVICE": "tpu"}, ["model.device", "'tpu'"]),
+        ("env", {"STREAMREC_CACHE__KV_DTYPE": "int8"}, ["cache.kv_dtype", "'int8'", "fp8_e4m3"]),
+        ("flag", {"model.weight_dtype": "fp4"}, ["model.weight_dtype", "'fp4'", "fp8"]),
         ("env", {"STREAMREC_LOG__LEVEL": "LOUD"}, ["log.level", "'LOUD'"]),
         ("env", {"STREAMREC_STORE__URL": "mysql://x"}, ["store.url", "'mysql://x'"]),
         ("flag", {"cache.block_size": "12"}, ["cache.block_size", "12", "power of two"]),
@@ -195,6 +198,15 @@ def test_direct_construction_is_validated(
         section(**kwargs)
     for needle in needles:
         assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_precision_comes_from_the_cache_and_model_sections() -> None:
+    config = load_config(
+        environ={"STREAMREC_CACHE__KV_DTYPE": "fp8_e4m3"},
+        overrides={"model.weight_dtype": "fp8"},
+    )
+    assert config.precision == ServingPrecision(kv_dtype="fp8_e4m3", weight_dtype="fp8")
+    assert load_config(environ=NO_ENV).precision == ServingPrecision()
 
 
 def test_worker_config_rejects_wrong_section_type() -> None:

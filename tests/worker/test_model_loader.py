@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig
-from streamrec.errors import ModelError
+from streamrec.errors import ConfigError, ModelError
 from streamrec.models.aoti_runtime import AOTIModel, open_aoti_model
 from streamrec.models.checkpoint import load_checkpoint
+from streamrec.models.quantization import model_precision
+from streamrec.models.serving_precision import ServingPrecision
 from streamrec.pipeline.scoring_config import ScoringConfig
-from streamrec.worker.config import ModelConfig
+from streamrec.worker.config import CacheConfig, ModelConfig
 from streamrec.worker.model_loader import export_config_for, graphed_serving_model, load_model
+from streamrec.worker.serving_stack import build_tiers
 from tests.models.aoti_fixtures import CACHE_DIR, EXPORT, tiny_model_dir
 
 
@@ -72,3 +75,17 @@ def test_graphs_apply_on_cuda_only(model_dir: Path, tmp_path: Path) -> None:
     loaded = load_model(cfg)
     cache = KVCache(KVCacheConfig(2, 2, 4, 4), 8, "cpu")
     assert graphed_serving_model(loaded, cache, cfg, max_batch_users=4, num_candidates=3) is None
+
+
+def test_the_configured_precision_reaches_the_model_and_the_pool(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = ModelConfig(
+        model_dir=model_dir, aoti_cache_dir=tmp_path / "empty", device="cpu", weight_dtype="fp8"
+    )
+    loaded = load_model(cfg, kv_dtype="fp8_e4m3")
+    assert model_precision(loaded.checkpoint.model) == ServingPrecision("fp8_e4m3", "fp8")
+    tiers = build_tiers(CacheConfig(kv_dtype="fp8_e4m3", kv_budget_bytes=1 << 20), loaded)
+    assert tiers.cache.kv.dtype == torch.float8_e4m3fn
+    with pytest.raises(ConfigError, match=r"cache\.kv_dtype = 'model'"):
+        build_tiers(CacheConfig(kv_budget_bytes=1 << 20), loaded)
