@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|demo|demo-aoti|tiers|multigpu|fp8|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -161,6 +161,8 @@ for stage in "$@"; do
         tests/cache/test_host_tier.py 2>&1 | tee "$OUT/fp8_tests.log" \
         | grep -E "rel err|on NVIDIA|fp8 model|passed|failed|Error" | tail -40
       timeout 300 python3 -m bench.fp8_bench 2>&1 | tee "$OUT/fp8_bench.log" | tail -24 ;;
+    speculative)  # issue 19: next-k generation, speculative vs target-only, 8L reference
+      python3 -m bench.speculative_bench --out "$OUT" 2>&1 | grep -v "^W1" | tail -40 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"

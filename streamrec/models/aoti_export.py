@@ -59,6 +59,10 @@ from streamrec.models.quantization import apply_precision, kv_storage_dtype, mod
 from streamrec.models.serving_precision import MODEL_PRECISION, ServingPrecision
 
 ENTRY_POINTS = ("prefill", "extend", "rank", "retrieve")
+# Compiled only when asked for (the worker asks when generation is on; a draft model's
+# package holds just these two).
+GENERATION_ENTRY_POINTS = ("extend_scratch", "retrieve")
+KNOWN_ENTRY_POINTS = (*ENTRY_POINTS, "extend_scratch")
 Progress = Callable[[str], None]
 # The wrappers hold the model as ``self.model``: constant names are "model.<parameter>".
 CONSTANT_PREFIX = "model."
@@ -77,6 +81,7 @@ MODEL_CODE = (
     "streamrec.models.prefill_attention",
     "streamrec.models.prefill_kernels",
     "streamrec.models.retrieval",
+    "streamrec.models.scratch_extend",
     "streamrec.models.config",
     "streamrec.models.fp8",
     "streamrec.models.fp8_linear",
@@ -85,6 +90,7 @@ MODEL_CODE = (
 # Example sizes for tracing; distinct values >= 2 so no two dims are confused or pinned.
 _EX_USERS, _EX_TOKENS, _EX_BLOCKS, _EX_BLOCK_SIZE, _EX_WIDTH = 3, 7, 11, 4, 2
 _EX_CANDS, _EX_EXCLUDE = 13, 5
+_EX_NEW, _EX_SCRATCH = 6, 9  # extend_scratch: tokens per user, scratch slots per user
 
 
 @dataclass(frozen=True)
@@ -99,11 +105,11 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         names = tuple(self.entry_points)
-        unknown = sorted(set(names) - set(ENTRY_POINTS))
+        unknown = sorted(set(names) - set(KNOWN_ENTRY_POINTS))
         if not names or unknown or len(set(names)) != len(names):
             raise ExportError(
                 f"ExportConfig.entry_points={self.entry_points!r} must be distinct names "
-                f"from {ENTRY_POINTS}"
+                f"from {KNOWN_ENTRY_POINTS}"
             )
         object.__setattr__(self, "entry_points", names)
         if self.retrieve_k <= 0:
@@ -213,6 +219,30 @@ class _Extend(nn.Module):
         )
 
 
+class _ExtendScratch(nn.Module):
+    def __init__(self, model: HSTU) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts: torch.Tensor,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+        scratch_kv: torch.Tensor,
+        scratch_ts: torch.Tensor,
+        scratch_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.model.extend_scratch(
+            items, actions, ts, kv_pool, ts_pool, block_tables, cached_lens, scratch_kv,
+            scratch_ts, scratch_lens,
+        )  # fmt: skip
+
+
 class _Rank(nn.Module):
     def __init__(self, model: HSTU) -> None:
         super().__init__()
@@ -269,6 +299,17 @@ def _example(model: HSTU, name: str, device: torch.device) -> tuple[torch.Tensor
         out = (items, actions, ts, offsets)
     elif name == "extend":
         out = (items, actions, ts, offsets, kv_pool, ts_pool, tables, cached)
+    elif name == "extend_scratch":
+        shape = (_EX_USERS, _EX_NEW)
+        new_items = torch.randint(1, cfg.num_items, shape, generator=gen)
+        new_actions = torch.randint(1, cfg.num_actions, shape, generator=gen)
+        new_ts = 1_700_000_200_000 + torch.arange(_EX_USERS * _EX_NEW).view(shape) * 1000
+        scratch_shape = (cfg.num_layers, 2, _EX_USERS, _EX_SCRATCH, cfg.num_heads, cfg.head_dim)
+        scratch = torch.randn(scratch_shape, generator=gen).to(dtype)
+        scratch_ts = torch.full((_EX_USERS, _EX_SCRATCH), 1_700_000_150_000, dtype=torch.int64)
+        scratch_lens = torch.tensor([2, 0, 3], dtype=torch.int64)
+        out = (new_items, new_actions, new_ts, kv_pool, ts_pool, tables, cached, scratch,
+               scratch_ts, scratch_lens)  # fmt: skip
     elif name == "rank":
         cand = torch.randint(1, cfg.num_items, (_EX_USERS, _EX_CANDS), generator=gen)
         query_ts = torch.full((_EX_USERS,), 1_700_000_100_000, dtype=torch.int64)
@@ -293,6 +334,12 @@ def _dynamic_shapes(name: str) -> tuple[dict[int, Any], ...]:
     if name == "extend":
         tokens = {0: Dim("T", min=1)}
         return (tokens, tokens, tokens, offsets, pool, ts_pool, tables, per_user)
+    if name == "extend_scratch":
+        new = {0: users, 1: Dim("Q", min=1)}
+        span = Dim("S", min=1)
+        scratch = {2: users, 3: span}
+        return (new, new, new, pool, ts_pool, tables, per_user, scratch, {0: users, 1: span},
+                per_user)  # fmt: skip
     if name == "rank":
         cands = {0: users, 1: Dim("C", min=1)}
         return (cands, per_user, pool, ts_pool, tables, per_user)
@@ -304,6 +351,8 @@ def _wrapper(model: HSTU, name: str, config: ExportConfig) -> nn.Module:
         return _Prefill(model)
     if name == "extend":
         return _Extend(model)
+    if name == "extend_scratch":
+        return _ExtendScratch(model)
     if name == "rank":
         return _Rank(model)
     return _Retrieve(model, effective_k(model.config, config))

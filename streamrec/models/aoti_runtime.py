@@ -127,6 +127,29 @@ class AOTIModel:
         )
         return k, v, user_emb
 
+    def extend_scratch(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts: torch.Tensor,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+        scratch_kv: torch.Tensor,
+        scratch_ts: torch.Tensor,
+        scratch_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.check_extend_scratch(
+            items, actions, ts, kv_pool, ts_pool, block_tables, cached_lens, scratch_kv,
+            scratch_ts, scratch_lens,
+        )  # fmt: skip
+        k, v, emb = self._runner("extend_scratch")(
+            items, actions, ts, kv_pool, ts_pool, block_tables, cached_lens, scratch_kv,
+            scratch_ts, scratch_lens,
+        )  # fmt: skip
+        return k, v, emb
+
     def rank(
         self,
         cand_items: torch.Tensor,
@@ -164,6 +187,10 @@ class AOTIModel:
         if k == self.retrieve_k:
             return scores, idx
         return scores[:, :k].contiguous(), idx[:, :k].contiguous()
+
+    def has(self, entry_point: str) -> bool:
+        """Whether the package holds ``entry_point`` (``extend_scratch`` is optional)."""
+        return entry_point in self._runners
 
     def _runner(self, name: str) -> Runner:
         runner = self._runners.get(name)
@@ -218,6 +245,43 @@ class AOTIModel:
         if self.check_values:
             capacity = block_tables.shape[1] * ts_pool.shape[1]
             self._values("rank", None, 0, None, cached_lens, capacity)
+
+    def check_extend_scratch(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts: torch.Tensor,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+        scratch_kv: torch.Tensor,
+        scratch_ts: torch.Tensor,
+        scratch_lens: torch.Tensor,
+    ) -> None:
+        """``ModelError`` unless ``extend_scratch`` may run on these tensors."""
+        cfg, entry = self.config, "extend_scratch"
+        self._tensor(entry, "items", items, _I64, 2)
+        users, new = items.shape
+        if new == 0:
+            raise ModelError(f"{entry}: called with 0 tokens per user")
+        for name, tensor in (("actions", actions), ("ts", ts)):
+            self._tensor(entry, name, tensor, _I64, 2, users, new)
+        self._pool(entry, users, kv_pool, ts_pool, block_tables, cached_lens)
+        self._tensor(
+            entry, "scratch_kv", scratch_kv, self.dtype, 6,
+            cfg.num_layers, 2, users, None, cfg.num_heads, cfg.head_dim,
+        )  # fmt: skip
+        self._tensor(entry, "scratch_ts", scratch_ts, _I64, 2, users)
+        if scratch_ts.shape[1] != scratch_kv.shape[3] or scratch_ts.shape[1] == 0:
+            raise ModelError(
+                f"{entry}: scratch_ts {tuple(scratch_ts.shape)} must have the "
+                f"{scratch_kv.shape[3]} (>= 1) slots of scratch_kv"
+            )
+        self._tensor(entry, "scratch_lens", scratch_lens, _I64, 1, users)
+        if self.check_values:
+            capacity = block_tables.shape[1] * ts_pool.shape[1]
+            self._values(entry, None, 0, None, cached_lens, capacity)
 
     def _tensor(
         self,

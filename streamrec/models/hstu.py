@@ -37,6 +37,7 @@ from streamrec.models.retrieval import (
     fused_retrieve,
     retrieve_reference,
 )
+from streamrec.models.scratch_extend import scratch_extend
 from streamrec.schemas.events import Action
 
 LayerState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -584,6 +585,26 @@ class HSTU(nn.Module):
         k_new, v_new = self._kv_storage(torch.stack(ks), torch.stack(vs))
         return k_new, v_new, self._user_embedding(z, offsets)
 
+    def extend_scratch(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts: torch.Tensor,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+        scratch_kv: torch.Tensor,
+        scratch_ts: torch.Tensor,
+        scratch_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Generation's tokens [B, Q] after the paged cache and a caller-owned scratch;
+        writes nothing (models/scratch_extend.py)."""
+        return scratch_extend(
+            self, items, actions, ts, kv_pool, ts_pool, block_tables, cached_lens, scratch_kv,
+            scratch_ts, scratch_lens,
+        )  # fmt: skip
+
     def rank(
         self,
         cand_items: torch.Tensor,
@@ -623,23 +644,3 @@ class HSTU(nn.Module):
         if fused_retrieval_enabled(self.attention_backend, user_emb, table, k, first):
             return fused_retrieve(user_emb, table, exclude, k, first)
         return retrieve_reference(user_emb, table, exclude, k, first)
-
-
-def validate_offsets(offsets: torch.Tensor, num_tokens: int, max_len: int | None = None) -> None:
-    """Eager-side check of a jagged batch before it reaches an entry point.
-
-    The entry points themselves cannot check (no data-dependent control flow under
-    export), and a compiled package silently returns garbage on bad offsets.
-    """
-    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.shape[0] < 2:
-        raise ModelError(
-            f"offsets must be int64 [B+1] with B >= 1, got {offsets.dtype} {tuple(offsets.shape)}"
-        )
-    lens = offsets.diff()
-    if int(offsets[0]) != 0 or int(offsets[-1]) != num_tokens or bool((lens < 0).any()):
-        raise ModelError(
-            f"offsets {offsets.tolist()[:8]}… must start at 0, be non-decreasing and end at "
-            f"{num_tokens}"
-        )
-    if max_len is not None and int(lens.max()) > max_len:
-        raise ModelError(f"a user has {int(lens.max())} tokens, more than max_seq_len={max_len}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
@@ -200,6 +201,62 @@ def _loss(
     return retrieval + cfg.task_weight * tasks
 
 
+LossFn = Callable[[HSTU, dict[str, torch.Tensor], torch.Generator], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FitStats:
+    steps: int
+    tokens: int
+    final_loss: float
+    seconds: float
+
+
+def fit(
+    model: HSTU,
+    part: InteractionLog,
+    rows: np.ndarray,
+    cfg: TrainConfig,
+    loss_fn: LossFn,
+    progress: TextIO | None,
+) -> FitStats:
+    """AdamW over ``cfg.epochs`` of shuffled windows of ``part`` (item rows ``rows``).
+
+    The loop of every training here (the model, and a draft distilled from it): windows
+    are cut afresh each epoch from ``cfg.seed``'s generator, so a run is deterministic.
+    """
+    started = time.monotonic()
+    rng = np.random.default_rng(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    device = torch.device(cfg.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps = 0
+    tokens = 0
+    loss_avg = float("nan")
+    for epoch in range(cfg.epochs):
+        windows = _windows(part.lengths(), cfg.seq_len, rng)
+        windows = windows[rng.permutation(len(windows))]
+        n_batches = -(-len(windows) // cfg.batch_size)
+        bar = ProgressBar(n_batches, f"epoch {epoch + 1}/{cfg.epochs}", progress)
+        for i in range(n_batches):
+            chunk = windows[i * cfg.batch_size : (i + 1) * cfg.batch_size]
+            batch = _batch(chunk, part.offsets, rows, part.actions, part.ts_ms)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            loss = loss_fn(model, batch, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            steps += 1
+            tokens += int(batch["valid"].sum())
+            value = float(loss.detach())
+            loss_avg = value if steps == 1 else 0.95 * loss_avg + 0.05 * value
+            elapsed = max(time.monotonic() - started, 1e-9)
+            bar.update(i + 1, loss=loss_avg, tok_s=tokens / elapsed)
+        bar.close()
+    return FitStats(steps, tokens, loss_avg, time.monotonic() - started)
+
+
 def train(
     log: InteractionLog,
     out_dir: Path | str,
@@ -213,10 +270,7 @@ def train(
     held-out events keep their untrained initial embedding.
     """
     cfg = config or TrainConfig()
-    started = time.monotonic()
     torch.manual_seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
     vocab = ItemVocabulary.build(log.items.tolist(), cfg.num_oov_buckets)
     model_cfg = cfg.model_config(vocab.size)
     unknown = [t for t in model_cfg.task_names if t not in TASK_ACTIONS]
@@ -224,40 +278,19 @@ def train(
         raise ConfigError(f"task(s) {unknown} have no label rule; known: {sorted(TASK_ACTIONS)}")
     part, _ = log.leave_last_out()
     rows = vocab.lookup(part.items.tolist())
-    device = torch.device(cfg.device)
-    model = HSTU(model_cfg).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps = 0
-    tokens = 0
-    loss_avg = float("nan")
-    for epoch in range(cfg.epochs):
-        windows = _windows(part.lengths(), cfg.seq_len, rng)
-        windows = windows[rng.permutation(len(windows))]
-        n_batches = -(-len(windows) // cfg.batch_size)
-        bar = ProgressBar(n_batches, f"epoch {epoch + 1}/{cfg.epochs}", progress)
-        for i in range(n_batches):
-            chunk = windows[i * cfg.batch_size : (i + 1) * cfg.batch_size]
-            batch = _batch(chunk, part.offsets, rows, part.actions, part.ts_ms)
-            batch = {k: v.to(device) for k, v in batch.items()}
-            loss = _loss(model, batch, cfg, gen)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            steps += 1
-            tokens += int(batch["valid"].sum())
-            value = float(loss.detach())
-            loss_avg = value if steps == 1 else 0.95 * loss_avg + 0.05 * value
-            elapsed = max(time.monotonic() - started, 1e-9)
-            bar.update(i + 1, loss=loss_avg, tok_s=tokens / elapsed)
-        bar.close()
-    seconds = time.monotonic() - started
+    model = HSTU(model_cfg).to(torch.device(cfg.device)).train()
+
+    def loss_fn(m: HSTU, batch: dict[str, torch.Tensor], gen: torch.Generator) -> torch.Tensor:
+        return _loss(m, batch, cfg, gen)
+
+    stats = fit(model, part, rows, cfg, loss_fn, progress)
     meta = {
         "model_name": cfg.model_name,
         "training": {
             **asdict(cfg),
-            "steps": steps,
-            "final_loss": loss_avg,
-            "seconds": round(seconds, 2),
+            "steps": stats.steps,
+            "final_loss": stats.final_loss,
+            "seconds": round(stats.seconds, 2),
             "num_users": part.num_users,
             "num_train_events": part.num_events,
         },
@@ -267,10 +300,10 @@ def train(
         model_dir=Path(out_dir),
         model_version=version,
         epochs=cfg.epochs,
-        steps=steps,
-        final_loss=loss_avg,
-        seconds=seconds,
-        tokens_per_s=tokens / max(seconds, 1e-9),
+        steps=stats.steps,
+        final_loss=stats.final_loss,
+        seconds=stats.seconds,
+        tokens_per_s=stats.tokens / max(stats.seconds, 1e-9),
         num_users=part.num_users,
         num_items=vocab.size - vocab.first_item_row,
     )

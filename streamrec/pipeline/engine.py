@@ -45,6 +45,7 @@ from streamrec.pipeline.model_step import ModelStep, StepTimings, UserOutput, Us
 from streamrec.pipeline.scorer import Scorer
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
+from streamrec.pipeline.step_generation import StepGeneration
 from streamrec.schemas.recommendation_batch import RecommendationBatch
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class Engine:
         task_names: Sequence[str],
         config: EngineConfig,
         catalog: ItemCatalog | None = None,
+        generation: StepGeneration | None = None,
     ) -> None:
         self.config = config
         self.tiers = tiers
@@ -147,7 +149,9 @@ class Engine:
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self.scorer = Scorer(model, tiers.cache, config.scoring, task_names, catalog=catalog)
-        self.step = ModelStep(model, tiers, self.scorer, self.device, catalog=catalog)
+        self.step = ModelStep(
+            model, tiers, self.scorer, self.device, catalog=catalog, generation=generation
+        )
         self._external = vocab.external_ids()  # [rows] item id per row, for the output
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="streamrec-engine")
         self._users: dict[str, _UserState] = {}
@@ -305,6 +309,8 @@ class Engine:
 
     def _drop(self, users: list[str]) -> None:
         self.tiers.drop(users)
+        if self.step.generation is not None:
+            self.step.generation.forget(users)
         for user in users:
             self._users.pop(user, None)
 
@@ -348,6 +354,7 @@ class Engine:
         tasks = None
         if outs and outs[0].task_scores is not None:
             tasks = np.stack([o.task_scores for o in outs]).astype(np.float32)  # type: ignore[misc]
+        generated = self._generated(outs)
         phases = {k: v * 1000.0 for k, v in prepared.io_seconds.items()} | timings.as_ms()
         output = RecommendationBatch(
             user_ids=[ud.user_id for ud in kept],
@@ -362,8 +369,21 @@ class Engine:
             model_name=self.config.model_name,
             model_version=self.config.model_version,
             timings_ms={k: round(v, 3) for k, v in phases.items()},
+            generated_ids=None if generated is None else self._external[generated[0]],
+            generated_scores=None if generated is None else generated[1],
         )
         return BatchResult(prepared.batch, output, rows, busy)
+
+    def _generated(self, outs: list[UserOutput]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(items [B, k], scores [B, k]) of the step's generation, or None when it is off."""
+        generation = self.step.generation
+        if generation is None:
+            return None
+        if not outs:
+            return np.zeros((0, generation.k), np.int64), np.zeros((0, generation.k), np.float32)
+        items = np.stack([o.generated for o in outs])  # type: ignore[misc]
+        scores = np.stack([o.generated_scores for o in outs]).astype(np.float32)  # type: ignore[misc]
+        return items, scores
 
     def _account(
         self, prepared: PreparedBatch, outputs: list[UserOutput], timings: StepTimings

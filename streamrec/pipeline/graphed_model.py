@@ -18,9 +18,11 @@ and copied into that bucket's static buffers:
   kernels never read past a user's length, so stale entries there are harmless.
 
 ``prefill`` and ``retrieve`` are called directly (variable history lengths; retrieve is a
-handful of large kernels). Calls that fit no bucket, or whose pool tensors are not the ones
-captured, run directly too and are counted. Outputs are copied out of the graph's static
-outputs before returning, so a later replay cannot overwrite what a caller still holds.
+handful of large kernels), and so is ``extend_scratch``: the generator captures whole
+generation rounds around it (pipeline/generator.py). Calls that fit no bucket, or whose
+pool tensors are not the ones captured, run directly too and are counted. Outputs are
+copied out of the graph's static outputs before returning, so a later replay cannot
+overwrite what a caller still holds.
 
 Any backend works: eager ``HSTU`` and the AOTInductor runtime alike. A backend that
 checks its inputs (``CheckedModel``: the AOTI one, whose package would otherwise read out
@@ -35,13 +37,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 
 from streamrec.cache.kv_cache import KVCache
-from streamrec.errors import ConfigError
-from streamrec.pipeline.serving_model import ServingModel
+from streamrec.errors import ConfigError, ModelError
+from streamrec.pipeline.serving_model import GeneratingModel, ServingModel
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +185,28 @@ class GraphedModel:
         s_exclude[:num_users, :width].copy_(exclude)
         scores, items = self._run(entry, f"retrieve/{bucket}")
         return scores[:num_users].clone(), items[:num_users].clone()
+
+    def extend_scratch(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts: torch.Tensor,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+        scratch_kv: torch.Tensor,
+        scratch_ts: torch.Tensor,
+        scratch_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not hasattr(self.model, "extend_scratch"):
+            raise ModelError(
+                f"{type(self.model).__name__} has no extend_scratch: it cannot generate"
+            )
+        return cast(GeneratingModel, self.model).extend_scratch(
+            items, actions, ts, kv_pool, ts_pool, block_tables, cached_lens, scratch_kv,
+            scratch_ts, scratch_lens,
+        )  # fmt: skip
 
     def extend(
         self,

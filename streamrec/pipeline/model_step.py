@@ -25,6 +25,7 @@ from streamrec.pipeline.item_catalog import ItemCatalog
 from streamrec.pipeline.phase_timer import PhaseTimer
 from streamrec.pipeline.scorer import ScoredUsers, Scorer
 from streamrec.pipeline.serving_model import ServingModel
+from streamrec.pipeline.step_generation import StepGeneration
 
 IntArray = np.ndarray
 
@@ -62,6 +63,8 @@ class UserOutput:
     items: IntArray  # [top_k] item rows, best first
     scores: IntArray  # [top_k] float
     task_scores: IntArray | None  # [top_k, tasks] or None without ranking
+    generated: IntArray | None = None  # [k] generated item rows, in order (generation on)
+    generated_scores: IntArray | None = None  # [k] float
 
 
 @dataclass
@@ -75,6 +78,7 @@ class StepTimings:
     extend: float = 0.0
     retrieve: float = 0.0
     rank: float = 0.0
+    generate: float = 0.0
     splits: int = 0
     tokens_prefilled: int = 0
     tokens_extended: int = 0
@@ -85,7 +89,8 @@ class StepTimings:
     lost: list[str] = field(default_factory=list)
 
     def merge(self, other: StepTimings) -> None:
-        for name in ("wall", "admit", "prefill", "extend", "retrieve", "rank", "splits"):
+        phases = ("wall", "admit", "prefill", "extend", "retrieve", "rank", "generate")
+        for name in (*phases, "splits"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.tokens_prefilled += other.tokens_prefilled
         self.tokens_extended += other.tokens_extended
@@ -95,12 +100,14 @@ class StepTimings:
     def as_ms(self) -> dict[str, float]:
         return {
             name: round(getattr(self, name) * 1000.0, 3)
-            for name in ("admit", "prefill", "extend", "retrieve", "rank")
+            for name in ("admit", "prefill", "extend", "retrieve", "rank", "generate")
+            if name != "generate" or self.generate
         }
 
 
 class ModelStep:
-    """Runs ``prefill`` for rebuilt users and one jagged ``extend`` for the rest."""
+    """Runs ``prefill`` for rebuilt users and one jagged ``extend`` for the rest (then,
+    with ``generation``, the users' next-k items)."""
 
     def __init__(
         self,
@@ -109,12 +116,14 @@ class ModelStep:
         scorer: Scorer,
         device: torch.device,
         catalog: ItemCatalog | None = None,
+        generation: StepGeneration | None = None,
     ) -> None:
         self.model = model
         self.tiers = tiers
         self.scorer = scorer
         self.device = device
         self.catalog = catalog  # set: item rows become embedding-cache slots per call
+        self.generation = generation
 
     def run(self, work: Sequence[UserWork]) -> tuple[list[UserOutput], StepTimings]:
         timings = StepTimings()
@@ -172,13 +181,19 @@ class ModelStep:
             timings.tokens_extended += sum(int(w.tokens.shape[0]) for w in cached)
         phases.mark("extend")
         users = [w.user_id for w in work]
+        user_emb = torch.stack([emb[u] for u in users])  # [B, D]
         scored: ScoredUsers = self.scorer.score(
-            torch.stack([emb[u] for u in users]),
+            user_emb,
             [w.recent for w in work],
             [int(w.tokens[-1, 2]) for w in work],
             users,
             phases.mark,
         )
+        generated = None
+        if self.generation is not None:
+            self.generation.forget(str(u) for u in admission.dropped)
+            generated = self.generation.run(work, user_emb)
+            phases.mark("generate")
         for name, seconds in phases.seconds().items():
             setattr(timings, name, getattr(timings, name) + seconds)
         return [
@@ -189,6 +204,8 @@ class ModelStep:
                 items=scored.items[row],
                 scores=scored.scores[row],
                 task_scores=None if scored.task_scores is None else scored.task_scores[row],
+                generated=None if generated is None else generated.items[row],
+                generated_scores=None if generated is None else generated.scores[row],
             )
             for row, w in enumerate(work)
         ]

@@ -44,3 +44,25 @@ class ServingModel(Protocol):
     def retrieve(
         self, user_emb: torch.Tensor, k: int, exclude: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class GeneratingModel(ServingModel, Protocol):
+    """A serving model that can also generate: ``extend_scratch`` (docs/contracts.md).
+
+    Eager ``HSTU``, ``AOTIModel`` and ``GraphedModel`` have it; a model without it still
+    serves the ranked list, only not the generated continuation.
+    """
+
+    def extend_scratch(
+        self,
+        items: torch.Tensor,
+        actions: torch.Tensor,
+        ts: torch.Tensor,
+        kv_pool: torch.Tensor,
+        ts_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        cached_lens: torch.Tensor,
+        scratch_kv: torch.Tensor,
+        scratch_ts: torch.Tensor,
+        scratch_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...

@@ -43,6 +43,8 @@ class RecommendationBatch:
     model_name: str
     model_version: str
     timings_ms: Mapping[str, float] | None = None  # the step's phases, shared by the batch
+    generated_ids: npt.NDArray[np.object_] | None = None  # [B, k] generated, in order
+    generated_scores: npt.NDArray[np.float32] | None = None  # [B, k]
 
     def __post_init__(self) -> None:
         b = len(self.user_ids)
@@ -52,6 +54,15 @@ class RecommendationBatch:
             "versions": self.versions.shape,
             "last_event_ts_ms": self.last_event_ts_ms.shape,
         }
+        if self.generated_ids is not None or self.generated_scores is not None:
+            gen_ids, gen_scores = self.generated_ids, self.generated_scores
+            if gen_ids is None or gen_scores is None or gen_ids.shape != gen_scores.shape:
+                raise SchemaError(
+                    ErrorKind.WRONG_TYPE,
+                    "recommendation batch: generated_ids and generated_scores go together "
+                    "with one shape",
+                )
+            shapes["generated_ids"] = gen_ids.shape[:1]
         bad = {name: shape for name, shape in shapes.items() if shape != (b,)}
         if bad or len(self.cache_outcomes) != b or self.item_ids.shape != self.scores.shape:
             raise SchemaError(
@@ -75,6 +86,9 @@ class RecommendationBatch:
             tasks = self.task_scores.transpose(0, 2, 1).tolist()  # [B][tasks][K]
         names = self.task_names
         timings = dict(self.timings_ms) if self.timings_ms is not None else None
+        gen_ids = gen_scores = None
+        if self.generated_ids is not None and self.generated_scores is not None:
+            gen_ids, gen_scores = self.generated_ids.tolist(), self.generated_scores.tolist()
         name, version, generated = self.model_name, self.model_version, self.generated_at_ms
         out: list[dict[str, object]] = []
         for b, user in enumerate(self.user_ids):
@@ -92,6 +106,8 @@ class RecommendationBatch:
                 fields["task_scores"] = dict(zip(names, tasks[b], strict=True))
             if timings is not None:
                 fields["timings_ms"] = timings
+            if gen_ids is not None and gen_scores is not None:
+                fields["generated"] = list(zip(gen_ids[b], gen_scores[b], strict=True))
             out.append(fields)
         return out
 

@@ -54,7 +54,9 @@ class Recommendation:
     ``version`` increases per user with every recommendation the worker emits, so a
     consumer keeps the highest version it has seen and ignores redelivered duplicates.
     ``task_scores`` maps a ranking head (e.g. "complete", "skip", "like") to one score per
-    item, aligned with ``items``.
+    item, aligned with ``items``. ``generated`` (when generation is on) is the predicted
+    continuation: the next items in play order, each with the model's retrieval score at
+    its position; it is independent of ``items`` and may repeat some of them.
     """
 
     user_id: str
@@ -67,11 +69,14 @@ class Recommendation:
     cache_outcome: CacheOutcome
     task_scores: Mapping[str, tuple[float, ...]] | None = None
     timings_ms: Mapping[str, float] | None = None  # e.g. {"queue": 1.2, "model": 3.4}
+    generated: tuple[tuple[str, float], ...] | None = None  # in generation order
 
     def __post_init__(self) -> None:
         check_str(self.user_id, "user_id")
-        items = tuple(_check_item(item, i) for i, item in enumerate(_as_seq(self.items, "items")))
+        items = _check_items(self.items, "items")
         object.__setattr__(self, "items", items)
+        if self.generated is not None:
+            object.__setattr__(self, "generated", _check_items(self.generated, "generated"))
         check_str(self.model_name, "model_name", MAX_NAME_LEN)
         check_str(self.model_version, "model_version", MAX_NAME_LEN)
         check_int(self.version, "version", 0, MAX_VERSION)
@@ -116,12 +121,15 @@ class Recommendation:
             fields["task_scores"] = {name: list(s) for name, s in self.task_scores.items()}
         if self.timings_ms is not None:
             fields["timings_ms"] = dict(self.timings_ms)
+        if self.generated is not None:
+            fields["generated"] = [[item_id, score] for item_id, score in self.generated]
         return fields
 
     @classmethod
     def from_wire(cls, obj: object) -> Recommendation:
         fields = require_map(obj)
         task_scores = optional_map(fields, "task_scores")
+        generated = fields.get("generated")
         return cls(
             user_id=require_str(fields, "user_id"),
             items=require_list(fields, "items"),  # type: ignore[arg-type]  # checked in __post_init__
@@ -133,6 +141,7 @@ class Recommendation:
             cache_outcome=require(fields, "cache_outcome"),  # type: ignore[arg-type]
             task_scores=task_scores,  # type: ignore[arg-type]
             timings_ms=optional_map(fields, "timings_ms"),  # type: ignore[arg-type]
+            generated=generated,  # type: ignore[arg-type]  # checked in __post_init__
         )
 
     def to_bytes(self, fmt: WireFormat = WireFormat.MSGPACK) -> bytes:
@@ -152,8 +161,11 @@ def _as_seq(value: object, name: str) -> Sequence[object]:
     return value
 
 
-def _check_item(item: object, index: int) -> tuple[str, float]:
-    name = f"items[{index}]"
+def _check_items(items: object, field: str) -> tuple[tuple[str, float], ...]:
+    return tuple(_check_item(item, f"{field}[{i}]") for i, item in enumerate(_as_seq(items, field)))
+
+
+def _check_item(item: object, name: str) -> tuple[str, float]:
     pair = _as_seq(item, name)
     if len(pair) != 2:
         raise SchemaError(

@@ -279,7 +279,13 @@ def _train(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len,
         seq_len=min(args.max_seq_len, TrainConfig.seq_len),
     )
-    result = train(_training_data(args), args.out, config)
+    if args.draft_of is not None:
+        from streamrec.offline.distillation import DraftConfig, train_draft
+
+        draft = DraftConfig(num_layers=args.draft_layers)
+        result = train_draft(_training_data(args), args.draft_of, args.out, config, draft)
+    else:
+        result = train(_training_data(args), args.out, config)
     print(
         f"streamrec train: wrote {result.model_dir} (model_version {result.model_version}, "
         f"{result.steps} steps, loss {result.final_loss:.4f}, {result.seconds:.1f} s)"
@@ -365,6 +371,11 @@ def _build_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-seq-len", type=int, default=TrainConfig.max_seq_len, help="history window"
     )
+    parser.add_argument(
+        "--draft-of", type=Path, metavar="MODEL_DIR",
+        help="distill a draft of MODEL_DIR for speculative generation (same vocabulary)",
+    )  # fmt: skip
+    parser.add_argument("--draft-layers", type=int, default=1, help="layers of the draft")
     _add_data_flags(parser)
     parser.set_defaults(handler=_on_device(_train))
 

@@ -22,8 +22,8 @@ from streamrec.worker.config import (
     ENV_CONFIG_FILE,
     WorkerConfig,
     config_fields,
-    load_config,
 )
+from streamrec.worker.config_sources import load_config
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -49,6 +49,7 @@ from streamrec.worker.serving_pipeline import PublishedHook, ServingPipeline
 from streamrec.worker.serving_stack import (
     build_catalog,
     build_tiers,
+    serving_generation,
     serving_model,
     serving_scoring,
 )
@@ -191,11 +192,12 @@ class App:
         catalog = build_catalog(self.config.cache, loaded, scoring)  # before the KV budget
         tiers = build_tiers(self.config.cache, loaded)
         model = await asyncio.to_thread(serving_model, self.config, loaded, tiers.cache, scoring)
+        gen = await asyncio.to_thread(serving_generation, self.config, loaded, tiers.cache, scoring)
         scoped = LogScopedStore(self._store)
         vocab = loaded.checkpoint.vocab
         name, version = loaded.checkpoint.model_name, loaded.checkpoint.version
         config = EngineConfig(name, version, loaded.backend, scoring)
-        self.engine = Engine(model, tiers, scoped, vocab, hstu.task_names, config, catalog)
+        self.engine = Engine(model, tiers, scoped, vocab, hstu.task_names, config, catalog, gen)
         checkpoint = Checkpoint(
             self.config,
             tracker=self.tracker,

@@ -29,6 +29,7 @@ from streamrec.cache.stats import (
     RetrievalSetStats,
 )
 from streamrec.pipeline.engine import Engine, EngineStats
+from streamrec.pipeline.generator import GenerationStats
 from streamrec.pipeline.graphed_model import GraphedModel, GraphStats
 from streamrec.pipeline.micro_batcher import Batch
 
@@ -161,6 +162,24 @@ class WorkerMetrics:
             ["name", "version", "backend"],
             registry=r,
         )
+        self.generated_items = Counter(
+            p + "generated_items", "Items generated as next-k continuations", registry=r
+        )
+        self.draft_proposed = Counter(
+            p + "speculative_proposed",
+            "Draft items proposed to the model in speculative generation",
+            registry=r,
+        )
+        self.draft_accepted = Counter(
+            p + "speculative_accepted",
+            "Draft items the model kept in speculative generation",
+            registry=r,
+        )
+        self.acceptance = Gauge(
+            p + "speculative_acceptance_ratio",
+            "Kept / proposed draft items since start (0 before the first proposal)",
+            registry=r,
+        )
         self.last_commit = Gauge(
             p + "last_commit_timestamp_seconds",
             "Unix time of the last successful commit",
@@ -276,6 +295,8 @@ class WorkerMetrics:
         self.sync_engine(engine.stats())
         if isinstance(engine.step.model, GraphedModel):
             self.sync_graphs(engine.step.model.stats)
+        if engine.step.generation is not None:
+            self.sync_generation(engine.step.generation.stats)
 
     def sync_caches(self, tiers: KVTiersStats, store: HistoryStoreStats | None) -> None:
         """Cache counters per tier from cumulative snapshots.
@@ -347,11 +368,19 @@ class WorkerMetrics:
         self._sync(self.graph_calls, "graph", stats.replays)
         self._sync(self.graph_calls, "eager", stats.eager_calls)
 
-    def _sync(self, family: Counter, tier: str, cumulative: float) -> None:
-        key = (id(family), tier)
+    def sync_generation(self, stats: GenerationStats) -> None:
+        """Generated items and the draft's acceptance, from the generator's cumulative stats."""
+        self._sync(self.generated_items, None, stats.tokens)
+        self._sync(self.draft_proposed, None, stats.proposed)
+        self._sync(self.draft_accepted, None, stats.accepted)
+        self.acceptance.set(stats.acceptance_rate)
+
+    def _sync(self, family: Counter, tier: str | None, cumulative: float) -> None:
+        """Increment ``family`` (its ``tier`` label, if it has one) up to ``cumulative``."""
+        key = (id(family), tier or "")
         delta = cumulative - self._seen.get(key, 0.0)
         if delta > 0:
-            family.labels(tier).inc(delta)
+            (family if tier is None else family.labels(tier)).inc(delta)
             self._seen[key] = cumulative
 
     def sample(self, name: str, labels: Mapping[str, str] | None = None) -> float | None:

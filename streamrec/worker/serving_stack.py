@@ -7,7 +7,8 @@
   disk tier behind it;
 - ``serving_model``: the loaded backend, replayed from CUDA graphs where that applies
   (``model_loader.graphed_serving_model``);
-- ``serving_scoring``: the configured sizes clamped to the model's catalogue.
+- ``serving_scoring``: the configured sizes clamped to the model's catalogue;
+- ``serving_generation``: the next-k generator (and its draft) when ``[generation]`` asks.
 """
 
 from __future__ import annotations
@@ -23,12 +24,17 @@ from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.cache.kv_tiers import KVTiers
 from streamrec.cache.retrieval_set import RetrievalSet
 from streamrec.errors import ConfigError
+from streamrec.models.aoti_runtime import AOTIModel
 from streamrec.models.config import HSTUConfig
+from streamrec.models.draft import load_draft
 from streamrec.models.hstu import HSTU
 from streamrec.models.quantization import kv_storage_dtype, model_precision
+from streamrec.pipeline.generation_workspace import ModelGeometry
+from streamrec.pipeline.generator import ROW_BUCKETS, Generator, GenModel
 from streamrec.pipeline.item_catalog import ItemCatalog
 from streamrec.pipeline.scoring_config import ScoringConfig
-from streamrec.pipeline.serving_model import ServingModel
+from streamrec.pipeline.serving_model import GeneratingModel, ServingModel
+from streamrec.pipeline.step_generation import StepGeneration
 from streamrec.worker.config import CacheConfig, WorkerConfig
 from streamrec.worker.model_loader import LoadedModel, graphed_serving_model
 
@@ -143,3 +149,49 @@ def serving_scoring(scoring: ScoringConfig, hstu: HSTUConfig) -> ScoringConfig:
         exclude_recent=exclude,
         task_weights={k: v for k, v in scoring.task_weights.items() if k in hstu.task_names},
     )
+
+
+def serving_generation(
+    config: WorkerConfig, loaded: LoadedModel, cache: KVCache, scoring: ScoringConfig
+) -> StepGeneration | None:
+    """The step's generator (blocking: loads the draft and captures its graphs).
+
+    The target generates through the serving backend when that has ``extend_scratch``
+    (eager, or an AOTI package exported with it: its unchecked twin, since the generator
+    builds every input itself), else through the eager module; the draft is always eager.
+    Rounds replay as CUDA graphs on a GPU with ``model.cuda_graphs``.
+    """
+    gen = config.generation
+    if gen.k == 0:
+        return None
+    if loaded.item_table is not None:
+        raise ConfigError(
+            f"generation.k = {gen.k}: generation needs the item table on the device "
+            f"(cache.embedding_cache_rows = {config.cache.embedding_cache_rows} keeps it on "
+            "the host); set one of them to 0"
+        )
+    hstu = loaded.checkpoint.config
+    target: GeneratingModel = loaded.checkpoint.model
+    if isinstance(loaded.model, AOTIModel) and loaded.model.has("extend_scratch"):
+        target = loaded.model.unchecked()
+    dtype = hstu.torch_dtype
+    draft = None
+    if gen.draft_model is not None:
+        draft_ckpt = load_draft(gen.draft_model, loaded.checkpoint, device=loaded.device)
+        draft = GenModel(draft_ckpt.model, ModelGeometry(draft_ckpt.config, dtype))
+        log.info(
+            "speculative generation",
+            extra={"draft": str(gen.draft_model), "draft_version": draft_ckpt.version},
+        )
+    max_users = config.batching.max_batch_users
+    rows = [b for b in ROW_BUCKETS if b < 2 * max_users] or [ROW_BUCKETS[0]]
+    capture = config.model.cuda_graphs
+    generator = Generator(
+        GenModel(target, ModelGeometry(hstu, dtype)), cache.kv, cache.ts, gen, draft,
+        capture=capture, max_rows=rows[-1],
+        max_blocks=-(-hstu.max_seq_len // cache.config.block_size) + 1,
+        max_consumed=max(1, scoring.exclude_recent),
+    )  # fmt: skip
+    if generator.capture:
+        generator.warm_up(rows)
+    return StepGeneration(generator, cache)

@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from streamrec.worker.config import load_config
+from streamrec.worker.config_sources import load_config
 from tests.deploy.kustomization import Kustomization, Resource, load_documents
 
 ROOT = Path(__file__).resolve().parents[2]

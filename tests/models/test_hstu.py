@@ -7,9 +7,8 @@ import random
 import pytest
 import torch
 
-from streamrec.errors import ModelError
 from streamrec.models.config import HSTUConfig
-from streamrec.models.hstu import HSTU, validate_offsets
+from streamrec.models.hstu import HSTU
 from streamrec.schemas.events import NUM_ACTIONS, Action
 from tests.models.paged import FakePagedCache
 
@@ -316,16 +315,6 @@ def test_retrieve_skips_padding_oov_and_excluded_rows() -> None:
     assert scores[0, -1] == float("-inf")
     assert torch.all(scores[1, :-1] >= scores[1, 1:])
     torch.testing.assert_close(scores[1], (user[1] @ table.t())[idx[1]])
-
-
-def test_validate_offsets_names_the_problem() -> None:
-    validate_offsets(torch.tensor([0, 2, 2, 5]), 5, max_len=3)
-    with pytest.raises(ModelError, match="int64"):
-        validate_offsets(torch.tensor([0, 5], dtype=torch.int32), 5)
-    with pytest.raises(ModelError, match="end at 6"):
-        validate_offsets(torch.tensor([0, 5]), 6)
-    with pytest.raises(ModelError, match="max_seq_len=3"):
-        validate_offsets(torch.tensor([0, 4]), 4, max_len=3)
 
 
 @torch.no_grad()

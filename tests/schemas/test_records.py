@@ -50,6 +50,17 @@ def test_recommendation_without_optional_fields(fmt: WireFormat) -> None:
     assert Recommendation.from_bytes(rec.to_bytes(fmt)) == rec
 
 
+@pytest.mark.parametrize("fmt", list(WireFormat))
+def test_recommendation_with_generated_continuation(fmt: WireFormat) -> None:
+    rec = make_recommendation(generated=[("i9", 0.8), ("i3", 0.71)])
+    assert rec.generated == (("i9", 0.8), ("i3", 0.71))
+    wire = rec.to_wire()
+    assert wire["generated"] == [["i9", 0.8], ["i3", 0.71]]
+    assert Recommendation.from_bytes(rec.to_bytes(fmt), fmt) == rec
+    assert "generated" not in make_recommendation().to_wire()
+    assert Recommendation.from_bytes(make_recommendation().to_bytes(fmt)).generated is None
+
+
 def test_recommendation_json_is_readable() -> None:
     wire = orjson.loads(make_recommendation().to_bytes(WireFormat.JSON))
     assert wire["items"] == [["i3", 0.9], ["i7", 0.5], ["i1", 0.25]]
@@ -68,6 +79,9 @@ def test_recommendation_json_is_readable() -> None:
         ({"items": [("i1",)]}, ErrorKind.WRONG_TYPE, "'items[0]'"),
         ({"items": [(5, 0.1)]}, ErrorKind.WRONG_TYPE, "'items[0].item_id'"),
         ({"items": "i1"}, ErrorKind.WRONG_TYPE, "'items'"),
+        ({"generated": [("i1", math.inf)]}, ErrorKind.OUT_OF_RANGE, "'generated[0].score'"),
+        ({"generated": [("i1", 0.5, 1)]}, ErrorKind.WRONG_TYPE, "'generated[0]'"),
+        ({"generated": {"i1": 0.5}}, ErrorKind.WRONG_TYPE, "'generated'"),
         ({"task_scores": {"like": [0.1]}}, ErrorKind.OUT_OF_RANGE, "1 scores for 3 items"),
         ({"task_scores": {"like": [0.1, "x", 0.2]}}, ErrorKind.WRONG_TYPE, "task_scores.like[1]"),
         ({"timings_ms": {"model": "slow"}}, ErrorKind.WRONG_TYPE, "timings_ms.model"),

@@ -41,7 +41,8 @@ from streamrec.tools.supervisor import (
     parse_child_start,
     select_gpus,
 )
-from streamrec.worker.config import HttpConfig, WorkerConfig, load_config
+from streamrec.worker.config import HttpConfig, WorkerConfig
+from streamrec.worker.config_sources import load_config
 from tests.worker.harness import (
     Stream,
     Topics,

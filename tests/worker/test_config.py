@@ -7,6 +7,7 @@ import pytest
 
 from streamrec.errors import ConfigError
 from streamrec.models.serving_precision import ServingPrecision
+from streamrec.pipeline.generation_config import GenerationConfig
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.worker.config import (
     SECRET_MASK,
@@ -20,8 +21,8 @@ from streamrec.worker.config import (
     TopicsConfig,
     WorkerConfig,
     config_fields,
-    load_config,
 )
+from streamrec.worker.config_sources import load_config
 
 NO_ENV: dict[str, str] = {}
 
@@ -189,6 +190,11 @@ def test_bad_values_name_field_and_value(
         (StoreConfig, {"url": "file:///x"}, ["store.url", "'file:///x'"]),
         (HttpConfig, {"port": True}, ["http.port", "True", "integer"]),
         (LogConfig, {"format": "xml"}, ["log.format", "'xml'"]),
+        (GenerationConfig, {"k": -1}, ["k = -1"]),
+        (GenerationConfig, {"gamma": 0}, ["gamma = 0"]),
+        (GenerationConfig, {"top_p": 0.0}, ["top_p = 0.0"]),
+        (GenerationConfig, {"action": "candidate"}, ["action = 'candidate'"]),
+        (GenerationConfig, {"draft_model": Path("d")}, ["draft_model", "k >= 1"]),
     ],
 )
 def test_direct_construction_is_validated(
@@ -293,3 +299,14 @@ def test_configs_are_frozen() -> None:
     config = WorkerConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.http.port = 1  # type: ignore[misc]
+
+
+def test_generation_section_from_env_and_toml(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, '[generation]\nk = 10\ndraft_model = "models/draft"\n')
+    env = {"STREAMREC_GENERATION__TEMPERATURE": "0.7", "STREAMREC_GENERATION__ACTION": "like"}
+    gen = load_config(path, environ=env).generation
+    assert (gen.k, gen.draft_model, gen.gamma) == (10, Path("models/draft"), 4)
+    assert (gen.temperature, gen.action, gen.exclude_consumed) == (0.7, "like", True)
+    assert load_config(environ=NO_ENV).generation.k == 0  # off by default
+    with pytest.raises(ConfigError, match=r"generation\.gamma = 0"):
+        load_config(environ={"STREAMREC_GENERATION__GAMMA": "0"})

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from streamrec.cache.stats import BlockPoolStats, HostTierStats, KVTiersStats
+from streamrec.pipeline.generator import GenerationStats
 from streamrec.worker.metrics import WorkerMetrics
 
 README = Path(__file__).resolve().parents[2] / "deploy" / "README.md"
@@ -29,6 +30,16 @@ def test_cumulative_stats_become_counter_increments() -> None:
     metrics.set_lag({("pb", 1): 3})
     assert metrics.sample("streamrec_consumer_lag", {"topic": "pb", "partition": "0"}) is None
     assert metrics.sample("streamrec_consumer_lag", {"topic": "pb", "partition": "1"}) == 3.0
+
+
+def test_generation_stats_become_counters_and_a_ratio() -> None:
+    metrics = WorkerMetrics()
+    metrics.sync_generation(GenerationStats(tokens=20, proposed=12, accepted=9))
+    metrics.sync_generation(GenerationStats(tokens=50, proposed=20, accepted=15))
+    assert metrics.sample("streamrec_generated_items_total") == 50.0
+    assert metrics.sample("streamrec_speculative_proposed_total") == 20.0
+    assert metrics.sample("streamrec_speculative_accepted_total") == 15.0
+    assert metrics.sample("streamrec_speculative_acceptance_ratio") == 0.75
 
 
 def pool_stats(evictions: int = 0) -> BlockPoolStats:

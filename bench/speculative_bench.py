@@ -1,0 +1,270 @@
+"""Next-k generation on the H200: speculative (draft + target) against the target alone.
+
+The target is HSTU-8L at the reference shapes (bench/reference_config.py: D=512, 4 heads x
+128, 1M items, bf16, random weights), its users' histories log-normal (median 1,000,
+cap 4,096) and prefilled into a paged KV cache; the draft is a 1-layer HSTU (D=64) over
+the same 1M-item vocabulary that re-encodes each user's last tokens. For each k and batch
+both generators run greedily from the same cache, CUDA graphs on, and must agree exactly.
+
+Random weights make the draft's guesses useless (acceptance ~0: row "raw"), and the speed
+of speculative generation is all about acceptance. So each configuration also runs with
+the draft's acceptance *forced* (rows "forced"): the draft does all of its work, then its
+proposal at output position p is replaced by the target's own greedy item there when a
+seeded Bernoulli(a) draw for (user, p) says so, a chosen so that the expected acceptance
+rate (kept / proposed) is the wanted one. The costs are real, the
+acceptance is an input: by default the rate measured on MovieLens with trained models
+(bench/results/movielens_speculative.json, from bench/movielens_generation.py on the CPU).
+
+H200 (~1-2 min): ``python3 -m bench.speculative_bench --out $OUT``; CPU smoke test:
+``.venv/bin/python -m bench.speculative_bench --small``. Writes
+bench/results/h200_speculative.json (``--small``: speculative_small_cpu.json) with rows
+``{k, batch, mode, acceptance, speedup_vs_autoregressive, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench._report import RESULTS_DIR, print_table, write_results
+from bench.reference_config import BATCH_SIZES, HSTU_8L, ReferenceWorkload
+from streamrec.cache.kv_cache import KVCache
+from streamrec.models.config import HSTUConfig
+from streamrec.models.hstu import HSTU, HSTULayer
+from streamrec.offline.generation_evaluation import cached_users
+from streamrec.pipeline.draft_context import DraftContext
+from streamrec.pipeline.generation_config import GenerationConfig
+from streamrec.pipeline.generation_workspace import ModelGeometry, Workspace
+from streamrec.pipeline.generator import GenerationInputs, Generator, GenModel
+
+MOVIELENS_RESULTS = RESULTS_DIR / "movielens_speculative.json"
+DEFAULT_RATE = 0.5  # acceptance forced when the MovieLens figure is absent
+SMALL = ReferenceWorkload(
+    name="small", num_layers=3, d_model=32, num_heads=2, head_dim=16, max_seq_len=256,
+    num_items=5_000, dtype="float32", history_median=60,
+)  # fmt: skip
+BASE_TS = 1_700_000_000_000
+
+
+class ForcedAcceptance(Generator):
+    """Speculative generation whose draft is right at position p with probability alpha.
+
+    The draft runs in full (its cost is measured); only its chosen item is replaced by the
+    target's greedy item at that position, taken from a target-only run of the same batch.
+    """
+
+    def set_reference(self, items: torch.Tensor, alpha: float, seed: int) -> None:
+        """items [B, k]: the target-only output; draws one Bernoulli(alpha) per (row, p)."""
+        rows, k = items.shape
+        cap = k + 2 * self.config.gamma + 1
+        self._ref = torch.full((rows, cap), -1, dtype=torch.int64, device=self.device)
+        self._ref[:, :k] = items
+        gen = torch.Generator().manual_seed(seed)
+        self._use = (torch.rand(rows, cap, generator=gen) < alpha).to(self.device)
+
+    def _propose(
+        self, ws: Workspace, j: int, query: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        item, ids, probs = super()._propose(ws, j, query)
+        at = (ws.m + j).clamp(max=self._ref.shape[1] - 1).unsqueeze(1)  # [R, 1]
+        ref = self._ref[: ws.rows].gather(1, at).squeeze(1)
+        use = self._use[: ws.rows].gather(1, at).squeeze(1) & (ref >= 0)
+        return torch.where(use, ref, item), ids, probs
+
+
+def _model(cfg: HSTUConfig, device: str, seed: int) -> HSTU:
+    torch.manual_seed(seed)
+    model = HSTU(cfg).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            assert isinstance(layer, HSTULayer)
+            layer.pos_bias.normal_(0, 0.3)
+            layer.time_bias.normal_(0, 0.3)
+    return model.to(device, cfg.torch_dtype)
+
+
+def _configs(w: ReferenceWorkload, draft_layers: int, draft_len: int) -> tuple[HSTUConfig, ...]:
+    target = HSTUConfig(
+        num_items=w.num_items, d_model=w.d_model, num_layers=w.num_layers,
+        num_heads=w.num_heads, head_dim=w.head_dim, max_seq_len=w.max_seq_len, dtype=w.dtype,
+    )  # fmt: skip
+    draft = HSTUConfig(
+        num_items=w.num_items, d_model=64, num_layers=draft_layers, num_heads=2, head_dim=32,
+        max_seq_len=draft_len, dtype=w.dtype,
+    )  # fmt: skip
+    return target, draft
+
+
+def _histories(w: ReferenceWorkload, users: int, num_items: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in w.history_lengths(users, seed).tolist():
+        items = rng.integers(17, num_items, n)
+        actions = rng.integers(1, 5, n)
+        ts = BASE_TS + np.cumsum(rng.integers(1_000, 10**7, n))
+        out.append(np.stack([items, actions, ts], axis=1).astype(np.int64))
+    return out
+
+
+def per_position(rate: float, gamma: int) -> float:
+    """The i.i.d. per-position hit probability a whose acceptance rate (kept / proposed,
+    as ``GenerationStats`` counts it: a + a^2 + ... + a^gamma kept of gamma) is ``rate``."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        got = sum(a**i for i in range(1, gamma + 1)) / gamma
+        lo, hi = (a, hi) if got < rate else (lo, a)
+    return (lo + hi) / 2
+
+
+def _acceptance_from_movielens(k: int) -> float:
+    """The best draft's acceptance rate at ``k`` on MovieLens (or the nearest k)."""
+    try:
+        rows = [r for r in json.loads(MOVIELENS_RESULTS.read_text())["rows"]
+                if r.get("acceptance") is not None]  # fmt: skip
+        nearest = min(abs(int(r["k"]) - k) for r in rows)
+        return max(float(r["acceptance"]) for r in rows if abs(int(r["k"]) - k) == nearest)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"no MovieLens acceptance ({exc!r}); forcing {DEFAULT_RATE}")
+        return DEFAULT_RATE
+
+
+def _time(gen: Generator, inputs: GenerationInputs, iters: int, sync: bool) -> tuple[float, ...]:
+    """(p50 ms of ``generate``, rounds per call, acceptance) after one warm-up call."""
+    gen.generate(inputs)  # captures the graphs
+    before = (gen.stats.rounds, gen.stats.proposed, gen.stats.accepted)
+    times = []
+    for _ in range(iters):
+        if sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        gen.generate(inputs)  # ends with a device -> host copy of the items
+        times.append((time.perf_counter() - start) * 1000.0)
+    rounds = (gen.stats.rounds - before[0]) / iters
+    proposed = gen.stats.proposed - before[1]
+    accepted = gen.stats.accepted - before[2]
+    return statistics.median(times), rounds, accepted / proposed if proposed else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ks", type=int, nargs="+", default=[10, 20])
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCH_SIZES))
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--draft-layers", type=int, default=1)
+    parser.add_argument(
+        "--acceptance", type=float, default=None,
+        help="acceptance rate to force (kept / proposed; default: the MovieLens figure)",
+    )  # fmt: skip
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--small", action="store_true", help="small model on the CPU")
+    parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--out", type=Path, default=None, help="also copy the JSON here")
+    args = parser.parse_args(argv)
+    small = args.small or not torch.cuda.is_available()
+    w, device = (SMALL, "cpu") if small else (HSTU_8L, "cuda")
+    rates = {k: args.acceptance if args.acceptance is not None else _acceptance_from_movielens(k)
+             for k in args.ks}  # fmt: skip
+    draft_len = max(args.ks) + args.gamma + 1 + 40  # a 40-token window at the largest k
+    t_cfg, d_cfg = _configs(w, args.draft_layers, draft_len)
+    started = time.perf_counter()
+    target, draft = _model(t_cfg, device, 0), _model(d_cfg, device, 1)
+    histories = _histories(w, max(args.batches), t_cfg.num_items, seed=0)
+    cache, user_emb = cached_users(target, histories, chunk=8)
+    lengths = [len(h) for h in histories[:8]]
+    print(f"set-up {time.perf_counter() - started:.1f} s: {w.name} on {device}, histories "
+          f"{lengths}..., forced acceptance per k {rates}")  # fmt: skip
+    geo_t = ModelGeometry(t_cfg, t_cfg.torch_dtype)
+    geo_d = ModelGeometry(d_cfg, d_cfg.torch_dtype)
+    graphs = device == "cuda" and not args.no_graphs
+    rows: list[dict[str, object]] = []
+    for k in args.ks:
+        cfg = GenerationConfig(k=k, gamma=args.gamma)
+        alpha = per_position(rates[k], args.gamma)
+        for batch in args.batches:
+            try:
+                rows.extend(_one(target, draft, geo_t, geo_d, cache, user_emb, histories, cfg,
+                                 batch, alpha, graphs, args.iters, device))  # fmt: skip
+            except Exception:  # one failing configuration must not lose the others
+                traceback.print_exc()
+                rows.append({"k": k, "batch": batch, "mode": "error"})
+            if device == "cuda":
+                torch.cuda.empty_cache()  # the finished generators' graph pools
+            print_table(rows[-3:])
+    meta = {
+        "workload": w.name, "target": t_cfg.to_dict(), "draft": d_cfg.to_dict(),
+        "gamma": args.gamma, "acceptance_forced": rates,
+        "cuda_graphs": graphs,
+        "seconds": round(time.perf_counter() - started, 1),
+    }  # fmt: skip
+    name = "speculative_small_cpu" if small else "h200_speculative"
+    path = write_results(name, rows, meta)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, args.out / path.name)
+    print(f"\n{name}: {path} ({meta['seconds']} s)")
+    summary = ("k", "batch", "mode", "acceptance", "speedup_vs_autoregressive", "ar_ms",
+               "spec_ms", "identical")  # fmt: skip
+    print_table([{key: r.get(key) for key in summary} for r in rows])
+    return 0
+
+
+def _one(
+    target: HSTU, draft: HSTU, geo_t: ModelGeometry, geo_d: ModelGeometry, cache: KVCache,
+    user_emb: torch.Tensor,
+    histories: list[np.ndarray], cfg: GenerationConfig, batch: int, alpha: float, graphs: bool,
+    iters: int, device: str,
+) -> list[dict[str, object]]:  # fmt: skip
+    users = [str(b) for b in range(batch)]
+    tables, lens = cache.batch_tables(users)
+    consumed = torch.tensor(np.stack([h[-16:, 0] if len(h) >= 16 else
+                                      np.pad(h[:, 0], (0, 16 - len(h)), constant_values=-1)
+                                      for h in histories[:batch]]), device=device)  # fmt: skip
+    last_ts = torch.tensor([int(h[-1, 2]) for h in histories[:batch]], device=device)
+    inputs = GenerationInputs(user_emb[:batch], tables, lens, last_ts, consumed)
+    ar = Generator(GenModel(target, geo_t), cache.kv, cache.ts, cfg, capture=graphs,
+                   max_rows=batch)  # fmt: skip
+    reference = ar.generate(inputs)
+    ar_ms, _, _ = _time(ar, inputs, iters, device == "cuda")
+    out: list[dict[str, object]] = []
+    for mode in ("raw", "forced"):
+        cls = ForcedAcceptance if mode == "forced" else Generator
+        spec = cls(GenModel(target, geo_t), cache.kv, cache.ts, cfg, GenModel(draft, geo_d),
+                   capture=graphs, max_rows=batch)  # fmt: skip
+        if isinstance(spec, ForcedAcceptance):
+            spec.set_reference(torch.from_numpy(reference.items).to(device), alpha, seed=batch)
+        context = DraftContext(spec.window)
+        for user, h in zip(users, histories, strict=False):
+            context.update(user, h, replace=True)
+        window, window_lens = context.batch(users, torch.device(device))
+        spec_inputs = GenerationInputs(
+            user_emb[:batch], tables, lens, last_ts, consumed, window, window_lens
+        )
+        got = spec.generate(spec_inputs)
+        identical = float((got.items == reference.items).all(axis=1).mean())
+        spec_ms, rounds, accepted = _time(spec, spec_inputs, iters, device == "cuda")
+        tokens = batch * cfg.k
+        out.append({
+            "k": cfg.k, "batch": batch, "mode": mode, "acceptance": round(accepted, 3),
+            "speedup_vs_autoregressive": round(ar_ms / spec_ms, 3),
+            "ar_ms": round(ar_ms, 3), "spec_ms": round(spec_ms, 3),
+            "ar_tokens_s": round(tokens / ar_ms * 1000.0, 1),
+            "spec_tokens_s": round(tokens / spec_ms * 1000.0, 1),
+            "ar_target_calls": cfg.k, "spec_rounds": rounds, "identical": identical,
+            "ar_ms_per_step": round(ar_ms / cfg.k, 3),
+            "spec_ms_per_round": round(spec_ms / max(rounds + 1.0, 1.0), 3),
+        })  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The speculative benchmark's own logic on the CPU: forced acceptance and its rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.reference_config import ReferenceWorkload
+from bench.speculative_bench import _configs, _histories, _model, _one, per_position
+from streamrec.offline.generation_evaluation import cached_users
+from streamrec.pipeline.generation_config import GenerationConfig
+from streamrec.pipeline.generation_workspace import ModelGeometry
+
+TINY = ReferenceWorkload(
+    name="tiny", num_layers=2, d_model=16, num_heads=2, head_dim=16, max_seq_len=64,
+    num_items=400, dtype="float32", history_median=12,
+)  # fmt: skip
+
+
+def test_per_position_rate_inverts_the_acceptance_rate() -> None:
+    for rate in (0.1, 0.5, 0.9):
+        a = per_position(rate, 4)
+        assert abs(sum(a**i for i in range(1, 5)) / 4 - rate) < 1e-9
+    assert per_position(1.0, 3) > 0.999 and per_position(0.0, 3) < 1e-9
+
+
+@pytest.mark.slow
+def test_rows_are_identical_and_forced_acceptance_is_near_the_wanted_rate() -> None:
+    t_cfg, d_cfg = _configs(TINY, draft_layers=1, draft_len=40)
+    target, draft = _model(t_cfg, "cpu", 0), _model(d_cfg, "cpu", 1)
+    histories = _histories(TINY, 8, t_cfg.num_items, seed=0)
+    cache, user_emb = cached_users(target, histories, chunk=8)
+    geo_t = ModelGeometry(t_cfg, torch.float32)
+    geo_d = ModelGeometry(d_cfg, torch.float32)
+    cfg = GenerationConfig(k=12, gamma=4)
+    rows = _one(target, draft, geo_t, geo_d, cache, user_emb, histories, cfg, 8,
+                per_position(0.6, 4), False, 1, "cpu")  # fmt: skip
+    raw, forced = rows
+    assert raw["mode"] == "raw" and forced["mode"] == "forced"
+    assert raw["identical"] == 1.0 and forced["identical"] == 1.0
+    assert raw["acceptance"] < 0.1  # random weights: the draft is almost never right
+    assert 0.45 < forced["acceptance"] < 0.75
+    assert forced["spec_rounds"] < raw["spec_rounds"] <= cfg.k - 1
