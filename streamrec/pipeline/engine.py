@@ -155,6 +155,7 @@ class Engine:
         self._external = vocab.external_ids()  # [rows] item id per row, for the output
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="streamrec-engine")
         self._users: dict[str, _UserState] = {}
+        self._stale: set[str] = set()  # users whose next extend must be a rebuild
         self._stats = EngineStats(backend=config.backend)
         self._closing = False
 
@@ -199,23 +200,21 @@ class Engine:
     async def execute(self, prepared: PreparedBatch) -> BatchResult:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
+        work, stale = self._split_stale(prepared.work)
         outputs, timings = await loop.run_in_executor(
-            self._executor, self._run_step, prepared.work, prepared.new_items
+            self._executor, self._run_step, work, prepared.new_items
         )
         busy = timings.wall
-        if timings.lost:
-            self._stats.rebuilds_after_loss += len(timings.lost)
-            lost = await self._with_retry("get", self.store.get, timings.lost)
-            by_user = {ud.user_id: ud for ud in prepared.batch.users}
-            redo = [
-                self._rebuild_work(user, h, {d.source.tp for d in by_user[user].deltas})
-                for user, h in lost.items()
-                if len(h)
-            ]
-            more, extra = await loop.run_in_executor(self._executor, self._run_step, redo)
-            outputs += more
-            timings.merge(extra)
-            busy += extra.wall
+        missing = set(timings.lost)
+        lost = stale + [w for w in work if w.user_id in missing]
+        if lost:
+            self._stats.rebuilds_after_loss += len(lost)
+            redo = await self._rebuild_lost(prepared, lost)
+            if redo:
+                more, extra = await loop.run_in_executor(self._executor, self._run_step, redo)
+                outputs += more
+                timings.merge(extra)
+                busy += extra.wall
         result = self._result(prepared, outputs, timings, busy)
         self._account(prepared, outputs, timings)
         self._stats.last_batch_seconds = time.perf_counter() - started
@@ -279,6 +278,41 @@ class Engine:
                 rebuild.append(ud.user_id)
         return work, rebuild
 
+    def _split_stale(self, work: list[UserWork]) -> tuple[list[UserWork], list[UserWork]]:
+        """Set aside extends of users whose cache a lost-user rebuild already moved past.
+
+        ``prepare`` runs ahead of ``execute``: by the time a step finds a planned-as-cached
+        user gone (evicted by an earlier step), later prepared batches may already have
+        appended that user's next events to the store, so the store's window is newer than
+        this batch. Rebuilding from it here and then applying those later batches' extends
+        would put their tokens into the cache twice. Instead the rebuild waits for the
+        user's newest prepared batch (see ``_rebuild_lost``); its earlier batches publish no
+        list for the user (their events are durable and covered by the newer list).
+        """
+        if not self._stale:
+            return work, []
+        for w in work:
+            if w.prefill:  # planned from the store after every earlier append: exact
+                self._stale.discard(w.user_id)
+        stale = [w for w in work if w.user_id in self._stale]
+        return [w for w in work if w.user_id not in self._stale], stale
+
+    async def _rebuild_lost(self, prepared: PreparedBatch, lost: list[UserWork]) -> list[UserWork]:
+        """Rebuild works for users missing at step time, as of this batch (see above)."""
+        histories = await self._with_retry("get", self.store.get, [w.user_id for w in lost])
+        by_user = {ud.user_id: ud for ud in prepared.batch.users}
+        redo = []
+        for w in lost:
+            history = histories.get(w.user_id, History.empty())
+            if history.total_appended > w.version:  # a later prepared batch holds newer events
+                self._stale.add(w.user_id)
+                continue
+            self._stale.discard(w.user_id)
+            if len(history):
+                tps = {d.source.tp for d in by_user[w.user_id].deltas}
+                redo.append(self._rebuild_work(w.user_id, history, tps))
+        return redo
+
     def _rebuild_work(self, user: str, history: History, tps: set[TP]) -> UserWork:
         work = UserWork.from_history(user, history, self.config.scoring.exclude_recent)
         state = self._users.get(user)
@@ -313,6 +347,7 @@ class Engine:
             self.step.generation.forget(users)
         for user in users:
             self._users.pop(user, None)
+            self._stale.discard(user)
 
     async def _with_retry(self, what: str, call: Callable[[A], Awaitable[R]], arg: A) -> R:
         backoff = Backoff(self.config.store_retry_initial_s, self.config.store_retry_max_s)
