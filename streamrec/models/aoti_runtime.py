@@ -463,9 +463,12 @@ def open_aoti_model(
     config: ExportConfig | None = None,
     progress: Progress | None = None,
     check_values: bool = True,
+    optional: tuple[str, ...] = (),
 ) -> AOTIModel:
     """The compiled model of ``model_dir`` from the package cache, bound to the weights of
     ``checkpoint`` (that directory loaded on ``device``; loaded here when not given).
+    Entry points in ``optional`` are loaded too when the package has them (the worker's
+    ``extend_scratch``: generation runs compiled when the package was exported with it).
 
     Raises ``ExportError`` when no valid package with ``config.entry_points`` exists and
     ``compile_if_missing`` is false (the worker then falls back to eager, or stops under
@@ -501,9 +504,9 @@ def open_aoti_model(
             package = build_package(
                 checkpoint.model, checkpoint.version, root, config, progress=progress
             )
-        model = load_package(
-            package, target, checkpoint.model, check_values, config.entry_points, lease
-        )
+        present = tuple(n for n in optional if n in package.files)
+        names = tuple(dict.fromkeys(config.entry_points + present))
+        model = load_package(package, target, checkpoint.model, check_values, names, lease)
         if model.retrieve_k != effective_k(model_config, config):
             raise ExportError(
                 f"{package.directory}: retrieve_k={model.retrieve_k} disagrees with its key"

@@ -27,6 +27,7 @@ import torch
 from streamrec.models.attention import self_attention_term
 from streamrec.models.paged_attention import (
     check_inputs,
+    dense,
     fast_silu_allowed,
     head_rows,
     next_pow2,
@@ -352,6 +353,7 @@ def fused_candidate_attention(
     per user, against ``kv_layer [2, NB, BS, H, d]`` (FP8 codes with the layer's
     ``kv_scale [2, H]``) and each its own key."""
     check_inputs(q, kv_layer[0], kv_scale)
+    q_pos, q_ts, block_tables, cached_lens = dense(q_pos, q_ts, block_tables, cached_lens)
     return torch.ops.streamrec.paged_silu_attention_candidates(
         q, k_self, v_self, q_pos, q_ts, kv_layer[0], kv_layer[1], ts_pool, block_tables,
         cached_lens, pos_bias, time_bias, edges, divisor, kv_scale,

@@ -141,6 +141,12 @@ def check_inputs(
     check_kv_scale(k_cache.dtype, kv_scale, k_cache.shape[-2])
 
 
+def dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The index tensors a kernel reads by computed offsets, made contiguous (a no-op,
+    no copy, for tensors that already are)."""
+    return tuple(t.contiguous() for t in tensors)
+
+
 def fast_silu_allowed(fast: bool, q: torch.Tensor) -> bool:
     """Whether a launch may use the ``tanh.approx`` SiLU: bf16/fp16 only, and only when
     launched eagerly. Inside a graph that Inductor traces (torch.compile, AOTInductor) the
@@ -544,6 +550,11 @@ def fused_token_attention(
     needs the layer's ``kv_scale [2, H]``; the new keys/values are then their cached
     (dequantized) form."""
     check_inputs(q, kv_layer[0], kv_scale)
+    # The kernel indexes these as dense rows (a sliced block table would be read with the
+    # wrong row stride, silently): a no-op for the step's own contiguous tensors.
+    q_pos, q_ts, q_user, q_start, block_tables, cached_lens = dense(
+        q_pos, q_ts, q_user, q_start, block_tables, cached_lens
+    )
     return torch.ops.streamrec.paged_silu_attention(
         q, q_pos, q_ts, q_user, q_start, k_new, v_new, kv_layer[0], kv_layer[1], ts_pool,
         block_tables, cached_lens, pos_bias, time_bias, edges, divisor, kv_scale,

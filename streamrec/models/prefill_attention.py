@@ -32,7 +32,7 @@ from streamrec.models.attention import (
     time_bucket_edge_values,
 )
 from streamrec.models.fp8 import check_kv_scale, dequantize
-from streamrec.models.paged_attention import fused_attention_enabled
+from streamrec.models.paged_attention import dense, fused_attention_enabled
 from streamrec.models.prefill_kernels import (
     CAND_LAUNCH,
     FP32_LAUNCH,
@@ -243,6 +243,7 @@ def fused_prefill_attention(
     """Jagged causal attention (q, k, v [T, H, d]; offsets [B+1]) through the fused op;
     k, v may be FP8 codes with the layer's ``kv_scale [2, H]``."""
     check_inputs(q, k, v, PREFILL_BLOCK_M, PREFILL_BLOCK_N, kv_scale)
+    ts, offsets = dense(ts, offsets)
     return torch.ops.streamrec.jagged_silu_attention(
         q, k, v, ts, offsets, pos_bias, time_bias, edges, divisor, kv_scale
     )
@@ -269,6 +270,7 @@ def fused_prefill_candidates(
             f"candidate attention wants qc, kc, vc [B, C, H, d] matching k [T, H, d], got "
             f"{tuple(qc.shape)}, {tuple(kc.shape)}, {tuple(vc.shape)}, {tuple(k.shape)}"
         )
+    query_ts, ts, offsets = dense(query_ts, ts, offsets)
     return torch.ops.streamrec.jagged_silu_attention_candidates(
         qc, kc, vc, query_ts, k, v, ts, offsets, pos_bias, time_bias, edges, divisor
     )

@@ -86,6 +86,7 @@ def load_serving_model(
             compile_if_missing=False,
             checkpoint=checkpoint,
             config=export_config_for(scoring or ScoringConfig(), precision),
+            optional=("extend_scratch",),  # generation, when exported with it
         )
     except ExportError as exc:
         if model_cfg.require_aoti:

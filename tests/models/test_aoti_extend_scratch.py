@@ -81,3 +81,19 @@ def test_generator_on_the_package_emits_what_eager_does(compiled, eager) -> None
     for items in out.values():
         np.testing.assert_array_equal(items, out[("eager", False)])
     assert compiled.has("extend_scratch") and not compiled.has("extend")
+
+
+def test_optional_entry_points_load_when_the_package_has_them(compiled, model_dir) -> None:
+    """The worker asks for its serving entry points and, optionally, ``extend_scratch``:
+    a package exported with it generates compiled; one without it still opens."""
+    only_retrieve = ExportConfig(entry_points=("retrieve",), retrieve_k=8)
+
+    def opened(optional: tuple[str, ...]) -> AOTIModel:
+        return open_aoti_model(
+            model_dir, "cpu", CACHE_DIR, compile_if_missing=False, config=only_retrieve,
+            optional=optional,
+        )  # fmt: skip
+
+    assert opened(("extend_scratch",)).has("extend_scratch")
+    assert not opened(()).has("extend_scratch")
+    assert not opened(("no_such_entry_point",)).has("no_such_entry_point")

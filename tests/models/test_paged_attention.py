@@ -440,3 +440,32 @@ def test_export_keeps_the_ops() -> None:
     tok, cands = program.module()(*args)
     assert rel_err(tok, dec.reference()) < FP32_TOL
     assert rel_err(cands.view_as(cand.q), cand.reference()) < FP32_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rank", [False, True])
+def test_non_contiguous_index_tensors_read_right(
+    rank: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block table sliced out of a wider one, and index vectors taken every other
+    element, give the contiguous answer (the kernel indexes them as dense rows)."""
+    device = kernel_device(monkeypatch)
+    queries = 8 if rank else new_token_counts(4, 4)
+    case = make_case(edge_lengths(4, 4), queries, rank, device, seed=5)
+    want = case.fused()
+    wide = torch.full(
+        (case.tables.shape[0], case.tables.shape[1] + 3), -1, dtype=case.tables.dtype,
+        device=device,
+    )  # fmt: skip
+    wide[:, : case.tables.shape[1]] = case.tables
+
+    def strided(t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t, t], dim=1)[:, 0]  # same values, stride 2
+
+    fields = dict(case.__dict__)
+    fields["tables"] = wide[:, : case.tables.shape[1]]
+    for name in ("pos", "ts", "users", "q_start", "lens"):
+        fields[name] = strided(fields[name])
+    assert not fields["tables"].is_contiguous() and not fields["pos"].is_contiguous()
+    got = Case(**fields).fused()
+    assert torch.equal(got, want)
