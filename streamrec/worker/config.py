@@ -43,7 +43,7 @@ def _fail(section: str, name: str, value: object, problem: str) -> ConfigError:
     return ConfigError(f"{section}.{name} = {value!r}: {problem}")
 
 
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+def unwrap_optional(tp: Any) -> tuple[Any, bool]:
     """Split ``X | None`` into ``(X, True)``; plain ``X`` into ``(X, False)``."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -53,15 +53,15 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _type_name(tp: Any) -> str:
-    base, optional = _unwrap_optional(tp)
+def type_name(tp: Any) -> str:
+    base, optional = unwrap_optional(tp)
     names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
     name = names.get(base, "a path")
     return f"{name} or unset" if optional else name
 
 
-def _matches(tp: Any, value: object) -> bool:
-    base, optional = _unwrap_optional(tp)
+def matches_type(tp: Any, value: object) -> bool:
+    base, optional = unwrap_optional(tp)
     if value is None:
         return optional
     if base is bool:
@@ -76,7 +76,7 @@ def _matches(tp: Any, value: object) -> bool:
 
 
 @dataclass(frozen=True)
-class _Section:
+class Section:
     """Shared checks: every field has its declared type, then the section's own rules."""
 
     SECTION: ClassVar[str] = ""
@@ -85,8 +85,8 @@ class _Section:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not _matches(hints[f.name], value):
-                raise _fail(self.SECTION, f.name, value, f"expected {_type_name(hints[f.name])}")
+            if not matches_type(hints[f.name], value):
+                raise _fail(self.SECTION, f.name, value, f"expected {type_name(hints[f.name])}")
         self._validate()
 
     def _validate(self) -> None:
@@ -105,7 +105,7 @@ class _Section:
 
 
 @dataclass(frozen=True)
-class KafkaConfig(_Section):
+class KafkaConfig(Section):
     """Connection to the Kafka cluster; the timeouts are passed to aiokafka unchanged."""
 
     SECTION: ClassVar[str] = "kafka"
@@ -210,7 +210,7 @@ class KafkaConfig(_Section):
 
 
 @dataclass(frozen=True)
-class TopicsConfig(_Section):
+class TopicsConfig(Section):
     """Topic names; playback and interaction must be co-partitioned (checked at start)."""
 
     SECTION: ClassVar[str] = "topics"
@@ -243,7 +243,7 @@ class TopicsConfig(_Section):
 
 
 @dataclass(frozen=True)
-class GroupConfig(_Section):
+class GroupConfig(Section):
     """Consumer-group membership and the commit cadence."""
 
     SECTION: ClassVar[str] = "group"
@@ -261,7 +261,7 @@ class GroupConfig(_Section):
 
 
 @dataclass(frozen=True)
-class CacheConfig(_Section):
+class CacheConfig(Section):
     """Cache sizes. ``kv_budget_bytes`` = 0 means: use ``kv_budget_fraction`` of the GPU
     memory left free after the model is loaded (so one config fits several GPU sizes)."""
 
@@ -310,7 +310,7 @@ class CacheConfig(_Section):
 
 
 @dataclass(frozen=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Which model to serve and how; ``require_aoti`` turns the eager fallback into an error.
 
     ``cuda_graphs`` (CUDA, either backend) replays extend and rank as CUDA graphs captured
@@ -336,7 +336,7 @@ class ModelConfig(_Section):
 
 
 @dataclass(frozen=True)
-class StoreConfig(_Section):
+class StoreConfig(Section):
     """History store; the URL scheme picks the backend (``memory://`` or ``redis://``)."""
 
     SECTION: ClassVar[str] = "store"
@@ -352,7 +352,7 @@ class StoreConfig(_Section):
 
 
 @dataclass(frozen=True)
-class HttpConfig(_Section):
+class HttpConfig(Section):
     """The one HTTP port for /metrics, /healthz and /readyz (port 0 = pick a free one)."""
 
     SECTION: ClassVar[str] = "http"
@@ -369,7 +369,7 @@ class HttpConfig(_Section):
 
 
 @dataclass(frozen=True)
-class LogConfig(_Section):
+class LogConfig(Section):
     """Log format: ``auto`` is text on a terminal and JSON lines otherwise (containers)."""
 
     SECTION: ClassVar[str] = "log"
@@ -388,7 +388,7 @@ class LogConfig(_Section):
 
 # Section name -> its class. ``batching``, ``scoring`` and ``generation`` are the pipeline's
 # own configs: each knob is defined and validated once, where it is used.
-_SECTIONS: dict[str, type[Any]] = {
+SECTIONS: dict[str, type[Any]] = {
     "kafka": KafkaConfig,
     "topics": TopicsConfig,
     "group": GroupConfig,
@@ -421,7 +421,7 @@ class WorkerConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        for name, cls in _SECTIONS.items():
+        for name, cls in SECTIONS.items():
             value = getattr(self, name)
             if not isinstance(value, cls):
                 raise ConfigError(f"{name} = {value!r}: expected a {cls.__name__}")
@@ -440,11 +440,11 @@ class WorkerConfig:
         """Plain nested dict of the configurable fields (paths as strings); secrets masked
         unless asked otherwise."""
         out: dict[str, dict[str, Any]] = {}
-        for name, cls in _SECTIONS.items():
+        for name, cls in SECTIONS.items():
             section = getattr(self, name)
             secrets: frozenset[str] = getattr(cls, "SECRETS", frozenset())
             values: dict[str, Any] = {}
-            for f in _loadable_fields(cls):
+            for f in loadable_fields(cls):
                 value = getattr(section, f.name)
                 if isinstance(value, Path):
                     value = str(value)
@@ -455,11 +455,11 @@ class WorkerConfig:
         return out
 
 
-def _loadable_fields(cls: type[Any]) -> list[dataclasses.Field[Any]]:
+def loadable_fields(cls: type[Any]) -> list[dataclasses.Field[Any]]:
     """The fields a file, the environment or a flag can set: scalars (and optional ones).
     Others (``scoring.task_weights``) keep their defaults."""
     hints = typing.get_type_hints(cls)
-    return [f for f in dataclasses.fields(cls) if _unwrap_optional(hints[f.name])[0] in _SCALARS]
+    return [f for f in dataclasses.fields(cls) if unwrap_optional(hints[f.name])[0] in _SCALARS]
 
 
 def _mask_url(url: str) -> str:
@@ -497,8 +497,8 @@ def env_var_name(section: str, name: str) -> str:
 def config_fields() -> list[FieldInfo]:
     """Every field of every section, in declaration order."""
     out = []
-    for section, cls in _SECTIONS.items():
+    for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
-        for f in _loadable_fields(cls):
-            out.append(FieldInfo(section, f.name, _type_name(hints[f.name]), f.default))
+        for f in loadable_fields(cls):
+            out.append(FieldInfo(section, f.name, type_name(hints[f.name]), f.default))
     return out

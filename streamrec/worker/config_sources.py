@@ -16,17 +16,17 @@ from typing import Any
 
 from streamrec.errors import ConfigError, StreamrecError
 from streamrec.worker.config import (
-    _SECTIONS,
     ENV_CONFIG_FILE,
     ENV_PREFIX,
+    SECTIONS,
+    Section,
     WorkerConfig,
-    _loadable_fields,
-    _matches,
-    _Section,
-    _type_name,
-    _unwrap_optional,
     config_fields,
     env_var_name,
+    loadable_fields,
+    matches_type,
+    type_name,
+    unwrap_optional,
 )
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -35,7 +35,7 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 
 def _parse_text(tp: Any, text: str, where: str, key: str) -> object:
     """Turn an env/flag string into the field's type; '' unsets an optional field."""
-    base, optional = _unwrap_optional(tp)
+    base, optional = unwrap_optional(tp)
     if optional and text == "":
         return None
     try:
@@ -51,28 +51,28 @@ def _parse_text(tp: Any, text: str, where: str, key: str) -> object:
         if base is float:
             return float(text)
     except ValueError:
-        raise ConfigError(f"{where}: {key} = {text!r}: expected {_type_name(tp)}") from None
+        raise ConfigError(f"{where}: {key} = {text!r}: expected {type_name(tp)}") from None
     if base is Path:
         return Path(text)
     return text
 
 
 def _coerce_toml(tp: Any, value: object, where: str, key: str) -> object:
-    base, _ = _unwrap_optional(tp)
+    base, _ = unwrap_optional(tp)
     if base is Path and isinstance(value, str):
         return Path(value)
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if not _matches(tp, value):
-        raise ConfigError(f"{where}: {key} = {value!r}: expected {_type_name(tp)}")
+    if not matches_type(tp, value):
+        raise ConfigError(f"{where}: {key} = {value!r}: expected {type_name(tp)}")
     return value
 
 
 def _section_hints() -> dict[str, dict[str, Any]]:
     """Per section, the type of every loadable field."""
     return {
-        name: {f.name: typing.get_type_hints(cls)[f.name] for f in _loadable_fields(cls)}
-        for name, cls in _SECTIONS.items()
+        name: {f.name: typing.get_type_hints(cls)[f.name] for f in loadable_fields(cls)}
+        for name, cls in SECTIONS.items()
     }
 
 
@@ -168,11 +168,11 @@ def load_config(
         for section, values in layer.items():
             merged.setdefault(section, {}).update(values)
     sections: dict[str, Any] = {}
-    for name, cls in _SECTIONS.items():
+    for name, cls in SECTIONS.items():
         try:
             sections[name] = cls(**merged.get(name, {}))
         except StreamrecError as exc:
-            if issubclass(cls, _Section):  # its messages name the section already
+            if issubclass(cls, Section):  # its messages name the section already
                 raise
             raise ConfigError(f"{name}.{exc}") from None  # a pipeline config's own check
     return WorkerConfig(**sections)
