@@ -271,6 +271,9 @@ DIM = 512
 K = 256
 
 
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
 @pytest.fixture(scope="module")
 def catalog() -> dict[torch.dtype, torch.Tensor]:
     """The reference catalog: 1M normalised rows of 512, fp32 and bf16."""
@@ -327,6 +330,7 @@ def assert_top_k(
 
 
 @pytest.mark.gpu
+@CUDA_ONLY
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [1, 64, 256])
 @torch.no_grad()
@@ -348,6 +352,7 @@ def test_fused_equals_mm_topk_over_1m_items(
 
 
 @pytest.mark.gpu
+@CUDA_ONLY
 @torch.no_grad()
 def test_fused_orders_ties_by_index_through_compaction() -> None:
     """3,000 copies of user 0's direction (one chunk's region overflows and is compacted)
@@ -371,6 +376,7 @@ def test_fused_orders_ties_by_index_through_compaction() -> None:
 
 
 @pytest.mark.gpu
+@CUDA_ONLY
 @torch.no_grad()
 def test_fused_replays_in_a_cuda_graph(catalog: dict[torch.dtype, torch.Tensor]) -> None:
     from streamrec.models.retrieval import fused_retrieve
@@ -400,6 +406,7 @@ def _cuda_model(num_items: int) -> HSTU:
 
 
 @pytest.mark.gpu
+@CUDA_ONLY
 @torch.no_grad()
 def test_hstu_retrieve_runs_the_fused_op_on_cuda() -> None:
     model = _cuda_model(100_000)
@@ -412,6 +419,7 @@ def test_hstu_retrieve_runs_the_fused_op_on_cuda() -> None:
 
 
 @pytest.mark.gpu
+@CUDA_ONLY
 def test_aoti_package_of_fused_retrieve(tmp_path: Path) -> None:
     from streamrec.models.aoti_export import ExportConfig, compile_entry_point
 
