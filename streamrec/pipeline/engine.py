@@ -155,7 +155,8 @@ class Engine:
         self._external = vocab.external_ids()  # [rows] item id per row, for the output
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="streamrec-engine")
         self._users: dict[str, _UserState] = {}
-        self._stale: set[str] = set()  # users whose next extend must be a rebuild
+        # engine thread: user -> version a loss rebuild reached, ahead of its batch
+        self._ahead: dict[str, int] = {}
         self._stats = EngineStats(backend=config.backend)
         self._closing = False
 
@@ -200,22 +201,16 @@ class Engine:
     async def execute(self, prepared: PreparedBatch) -> BatchResult:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        work, stale = self._split_stale(prepared.work)
-        outputs, timings = await loop.run_in_executor(
-            self._executor, self._run_step, work, prepared.new_items
+        outputs, timings, rebuilt = await loop.run_in_executor(
+            self._executor, self._run_batch, prepared, loop
         )
-        busy = timings.wall
-        missing = set(timings.lost)
-        lost = stale + [w for w in work if w.user_id in missing]
-        if lost:
-            self._stats.rebuilds_after_loss += len(lost)
-            redo = await self._rebuild_lost(prepared, lost)
-            if redo:
-                more, extra = await loop.run_in_executor(self._executor, self._run_step, redo)
-                outputs += more
-                timings.merge(extra)
-                busy += extra.wall
-        result = self._result(prepared, outputs, timings, busy)
+        if rebuilt:  # engine state of users rebuilt after a loss
+            by_user = {ud.user_id: ud for ud in prepared.batch.users}
+            for user, work in rebuilt.items():
+                if user not in self._users:  # else a later plan already keeps it
+                    tps = {d.source.tp for d in by_user[user].deltas}
+                    self._users[user] = _UserState(work.version, work.recent, tps)
+        result = self._result(prepared, outputs, timings, timings.wall)
         self._account(prepared, outputs, timings)
         self._stats.last_batch_seconds = time.perf_counter() - started
         return result
@@ -237,7 +232,8 @@ class Engine:
 
     async def close(self) -> None:
         self._closing = True
-        self._executor.shutdown(wait=True)
+        # off the loop: a step that lost users waits on the loop for their histories
+        await asyncio.to_thread(self._executor.shutdown, True)
         self.tiers.close()  # the disk tier's threads and files
         if self.catalog is not None:
             self.catalog.close()
@@ -278,40 +274,47 @@ class Engine:
                 rebuild.append(ud.user_id)
         return work, rebuild
 
-    def _split_stale(self, work: list[UserWork]) -> tuple[list[UserWork], list[UserWork]]:
-        """Set aside extends of users whose cache a lost-user rebuild already moved past.
+    def _run_batch(
+        self, prepared: PreparedBatch, loop: asyncio.AbstractEventLoop
+    ) -> tuple[list[UserOutput], StepTimings, dict[str, UserWork]]:
+        """One batch's step on the engine thread, with the rebuild of the users it found
+        gone in the same job, so that cache updates follow batch order exactly.
 
-        ``prepare`` runs ahead of ``execute``: by the time a step finds a planned-as-cached
-        user gone (evicted by an earlier step), later prepared batches may already have
-        appended that user's next events to the store, so the store's window is newer than
-        this batch. Rebuilding from it here and then applying those later batches' extends
-        would put their tokens into the cache twice. Instead the rebuild waits for the
-        user's newest prepared batch (see ``_rebuild_lost``); its earlier batches publish no
-        list for the user (their events are durable and covered by the newer list).
+        ``prepare`` runs ahead of ``execute``: when a step finds a planned-as-cached user
+        gone (an earlier step evicted it from every tier), later prepared batches may
+        already have appended the user's next events. The rebuild reads the store's
+        window as it is now (total T, through the loop: the store is async) and publishes
+        that newer list with this batch; the later batches' works for the user at a
+        version <= T are then already in the cache and are skipped (``_ahead``), the first
+        one past T extends it. Cache updates of one batch never interleave with another's.
         """
-        if not self._stale:
-            return work, []
-        for w in work:
-            if w.prefill:  # planned from the store after every earlier append: exact
-                self._stale.discard(w.user_id)
-        stale = [w for w in work if w.user_id in self._stale]
-        return [w for w in work if w.user_id not in self._stale], stale
+        work = [w for w in prepared.work if not self._already_applied(w)]
+        outputs, timings = self._run_step(work, prepared.new_items)
+        rebuilt: dict[str, UserWork] = {}
+        if timings.lost:
+            self._stats.rebuilds_after_loss += len(timings.lost)
+            get = self._with_retry("get", self.store.get, list(timings.lost))
+            histories = asyncio.run_coroutine_threadsafe(get, loop).result()
+            for user in timings.lost:
+                history = histories.get(user, History.empty())
+                if len(history):
+                    keep = self.config.scoring.exclude_recent
+                    rebuilt[user] = UserWork.from_history(user, history, keep)
+                    self._ahead[user] = history.total_appended
+            more, extra = self._run_step(list(rebuilt.values()))
+            outputs += more
+            timings.merge(extra)
+        return outputs, timings, rebuilt
 
-    async def _rebuild_lost(self, prepared: PreparedBatch, lost: list[UserWork]) -> list[UserWork]:
-        """Rebuild works for users missing at step time, as of this batch (see above)."""
-        histories = await self._with_retry("get", self.store.get, [w.user_id for w in lost])
-        by_user = {ud.user_id: ud for ud in prepared.batch.users}
-        redo = []
-        for w in lost:
-            history = histories.get(w.user_id, History.empty())
-            if history.total_appended > w.version:  # a later prepared batch holds newer events
-                self._stale.add(w.user_id)
-                continue
-            self._stale.discard(w.user_id)
-            if len(history):
-                tps = {d.source.tp for d in by_user[w.user_id].deltas}
-                redo.append(self._rebuild_work(w.user_id, history, tps))
-        return redo
+    def _already_applied(self, work: UserWork) -> bool:
+        """Whether a loss rebuild of an earlier batch already put this work in the cache."""
+        ahead = self._ahead.get(work.user_id)
+        if ahead is None:
+            return False
+        if work.version <= ahead:
+            return True
+        del self._ahead[work.user_id]  # past the rebuild: applies as planned
+        return False
 
     def _rebuild_work(self, user: str, history: History, tps: set[TP]) -> UserWork:
         work = UserWork.from_history(user, history, self.config.scoring.exclude_recent)
@@ -347,7 +350,7 @@ class Engine:
             self.step.generation.forget(users)
         for user in users:
             self._users.pop(user, None)
-            self._stale.discard(user)
+            self._ahead.pop(user, None)
 
     async def _with_retry(self, what: str, call: Callable[[A], Awaitable[R]], arg: A) -> R:
         backoff = Backoff(self.config.store_retry_initial_s, self.config.store_retry_max_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -278,12 +280,16 @@ async def test_users_of_names_the_cached_users_of_revoked_partitions() -> None:
     await engine.close()
 
 
-async def test_a_user_lost_while_later_batches_are_prepared_is_rebuilt_once() -> None:
+@pytest.mark.parametrize("overlapped", [False, True])
+async def test_a_user_lost_while_later_batches_are_prepared_is_rebuilt_once(
+    overlapped: bool,
+) -> None:
     """``prepare`` runs ahead of ``execute``: two batches of ``a`` are prepared (their
     events appended) before the first executes, and an earlier step evicted ``a`` from
-    every tier meanwhile. The first batch must not rebuild ``a`` from the store's newer
-    window (the second batch would then add its tokens twice): it publishes nothing for
-    ``a``, and the second batch rebuilds it, equal to the full recompute."""
+    every tier meanwhile. The first batch rebuilds ``a`` from the store's window, which
+    already holds the second batch's events, and publishes that newer list; the second
+    batch must not add those tokens again: it publishes nothing for ``a``. Every list
+    equals the full recompute, and the next extend of ``a`` is a plain cached one."""
     model, vocab = _model(num_known=30)
     store = open_history_store("memory://", MAX_SEQ_LEN)
     engine = _engine(model, vocab, gpu_blocks=32, host_blocks=0, store=store)
@@ -291,24 +297,25 @@ async def test_a_user_lost_while_later_batches_are_prepared_is_rebuilt_once() ->
     first = await engine.prepare(_user_batch(1, {"a": 1, "b": 1}, 24))
     second = await engine.prepare(_user_batch(2, {"a": 2}, 26))
     engine.tiers.drop(["a"])  # what an earlier step's admission does to a victim
-    recs_first = {r.user_id: r for r in (await engine.execute(first)).output.records()}
-    recs_second = {r.user_id: r for r in (await engine.execute(second)).output.records()}
+    if overlapped:  # as the serving pipeline hands them over: both steps queued at once
+        results = await asyncio.gather(engine.execute(first), engine.execute(second))
+    else:
+        results = [await engine.execute(first), await engine.execute(second)]
+    recs_first, recs_second = ({r.user_id: r for r in x.output.records()} for x in results)
+    assert set(recs_first) == {"a", "b"} and not recs_second
+    assert engine.stats().rebuilds_after_loss == 1
     histories = await store.get(["a", "b"])
     want = _recompute(model, histories, engine.config.scoring)
-    assert set(recs_first) == {"b"} and set(recs_second) == {"a"}
-    assert engine.stats().rebuilds_after_loss == 2
-    for user, rec in (recs_first | recs_second).items():
+    assert recs_first["a"].version == 15  # the second batch's events included
+    for user, rec in recs_first.items():
         assert rec.version == histories[user].total_appended == want[user].version
         assert [i for i, _ in rec.items] == [vocab.external(int(r)) for r in want[user].items]
         np.testing.assert_allclose([s for _, s in rec.items], want[user].scores, rtol=1e-5)
-    # the next extend of ``a`` is a plain cached one again
-    recs = {
-        r.user_id: r
-        for r in (
-            await engine.execute(await engine.prepare(_user_batch(3, {"a": 1}, 28)))
-        ).output.records()
-    }
+    third = await engine.execute(await engine.prepare(_user_batch(3, {"a": 1}, 28)))
+    rec = {r.user_id: r for r in third.output.records()}["a"]
     histories = await store.get(["a"])
     want = _recompute(model, histories, engine.config.scoring)
-    np.testing.assert_allclose([s for _, s in recs["a"].items], want["a"].scores, rtol=1e-5)
+    assert rec.version == 16 and rec.items[0][0] == vocab.external(int(want["a"].items[0]))
+    np.testing.assert_allclose([s for _, s in rec.items], want["a"].scores, rtol=1e-5)
+    assert engine.stats().gpu_hits >= 1 and engine.stats().rebuilds_after_loss == 1
     await engine.close()
