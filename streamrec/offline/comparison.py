@@ -1,0 +1,271 @@
+"""The offline protocol of issue 22: HSTU against baselines and ablations over seeds.
+
+Every variant is trained with the same ``TrainConfig`` (validation split, early stopping,
+the best epoch's weights kept) for seeds 0..N-1 and scored on the test split by the same
+code (``evaluation.evaluate``). The report gives mean ± standard deviation over seeds per
+metric and, for every other variant, the paired bootstrap interval of HSTU minus it
+(``bootstrap.py``: users and seeds resampled). Nothing is chosen on the test split: the
+epoch is chosen on validation, the hyperparameters are ``TrainConfig``'s defaults.
+
+Models land in ``work_dir/<variant>-seed<s>``; a directory whose recorded training config
+equals the one asked for is evaluated again rather than retrained, so an interrupted
+protocol resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from streamrec.errors import ConfigError
+from streamrec.models.checkpoint import META
+from streamrec.offline.bootstrap import BootstrapConfig, Interval, paired_bootstrap
+from streamrec.offline.datasets import InteractionLog
+from streamrec.offline.evaluation import EvalResult, evaluate
+from streamrec.offline.ranking import METRICS, RankingMetrics, UserMetrics
+from streamrec.offline.sasrec import train_sasrec
+from streamrec.offline.training import TrainConfig, TrainResult, train
+
+MODEL = "hstu"
+POPULAR = "most-popular"
+SASREC = "sasrec"
+BASELINES = (POPULAR, SASREC)
+# HSTU with one ingredient removed: the TrainConfig fields that remove it.
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "no-task-heads": {"task_weight": 0.0},
+    "no-time-bias": {"time_bias": False},
+}
+Trainer = Callable[..., TrainResult]
+
+
+@dataclass(frozen=True)
+class ComparisonConfig:
+    """Which variants, how many seeds each, and the metric cut-off."""
+
+    seeds: int = 5
+    baselines: tuple[str, ...] = BASELINES
+    ablations: tuple[str, ...] = ()
+    ablation_seeds: int | None = None  # None: ``seeds``
+    k: int = 10
+    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seeds, int) or self.seeds < 1:
+            raise ConfigError(f"--seeds {self.seeds!r}: must be an int >= 1")
+        if self.ablation_seeds is not None and not 1 <= self.ablation_seeds <= self.seeds:
+            raise ConfigError(f"ablation_seeds={self.ablation_seeds} must be in [1, {self.seeds}]")
+        bad = [b for b in self.baselines if b not in BASELINES]
+        if bad:
+            raise ConfigError(f"--baseline {bad[0]!r}: expected one of {', '.join(BASELINES)}")
+        bad = [a for a in self.ablations if a not in ABLATIONS]
+        if bad:
+            raise ConfigError(f"--ablation {bad[0]!r}: expected one of {', '.join(ABLATIONS)}")
+        if self.k < 1:
+            raise ConfigError(f"--k {self.k}: must be >= 1")
+
+    def variants(self) -> list[tuple[str, int]]:
+        """(variant, number of seeds) of every trained model, HSTU first."""
+        out = [(MODEL, self.seeds)]
+        if SASREC in self.baselines:
+            out.append((SASREC, self.seeds))
+        out += [(f"{MODEL}-{a}", self.ablation_seeds or self.seeds) for a in self.ablations]
+        return out
+
+
+@dataclass(frozen=True)
+class Run:
+    """One trained model's test figures and what its training did."""
+
+    variant: str
+    seed: int
+    model_version: str
+    test: RankingMetrics
+    validation_ndcg: float  # at the kept epoch
+    best_epoch: int
+    epochs_run: int
+    train_seconds: float
+    reused: bool
+    per_user: UserMetrics = field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k not in ("per_user", "test")}
+        return {**out, **asdict(self.test)}
+
+
+def _config_for(variant: str, seed: int, base: TrainConfig) -> TrainConfig:
+    cfg = replace(base, seed=seed)
+    if variant.startswith(f"{MODEL}-"):
+        cfg = replace(cfg, **ABLATIONS[variant.removeprefix(f"{MODEL}-")], model_name=variant)
+    return cfg
+
+
+def _reusable(model_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
+    """The directory's training record if it was trained with exactly ``cfg``."""
+    try:
+        meta = json.loads((model_dir / META).read_text())
+    except (OSError, ValueError):
+        return None
+    training = meta.get("training", {})
+    expected = asdict(cfg)
+    if SASREC in model_dir.name:
+        expected = {**expected, "task_weight": 0.0, "model_name": SASREC}
+    same = all(training.get(k) == v for k, v in expected.items())
+    return training if same else None
+
+
+def _train_or_reuse(
+    variant: str, cfg: TrainConfig, log: InteractionLog, model_dir: Path, progress: TextIO | None
+) -> tuple[dict[str, Any], bool]:
+    record = _reusable(model_dir, cfg)
+    if record is not None:
+        return record, True
+    trainer: Trainer = train_sasrec if variant == SASREC else train
+    trainer(log, model_dir, cfg, progress=progress)
+    record = _reusable(model_dir, cfg)
+    assert record is not None, model_dir
+    return record, False
+
+
+def _run(
+    variant: str, seed: int, base: TrainConfig, log: InteractionLog, work_dir: Path, k: int,
+    progress: TextIO | None,
+) -> tuple[Run, EvalResult]:  # fmt: skip
+    cfg = _config_for(variant, seed, base)
+    model_dir = work_dir / f"{variant}-seed{seed}"
+    record, reused = _train_or_reuse(variant, cfg, log, model_dir, progress)
+    result = evaluate(model_dir, log, k=k, device=cfg.device, report=None)
+    assert result.per_user is not None
+    scores = record.get("validation_ndcg10") or [float("nan")]
+    best = int(record.get("best_epoch", 0))
+    run = Run(
+        variant=variant,
+        seed=seed,
+        model_version=result.model_version,
+        test=result.model,
+        validation_ndcg=float(scores[best - 1] if best else scores[-1]),
+        best_epoch=best,
+        epochs_run=int(record.get("epochs_run", cfg.epochs)),
+        train_seconds=float(record.get("seconds", 0.0)),
+        reused=reused,
+        per_user=result.per_user,
+    )
+    return run, result
+
+
+@dataclass(frozen=True)
+class ComparisonReport:
+    runs: dict[str, list[Run]]  # variant -> runs by seed (most-popular: one, seed -1)
+    intervals: dict[str, dict[str, Interval]]  # other variant -> metric -> HSTU − other
+    k: int
+    num_users: int
+    seconds: float
+
+    def summary(self, variant: str) -> dict[str, tuple[float, float]]:
+        """metric -> (mean, sample standard deviation over seeds; 0 for one run)."""
+        runs = self.runs[variant]
+        out = {}
+        for m in METRICS:
+            values = np.array([r.test.get(m) for r in runs])
+            out[m] = (float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else 0.0)
+        return out
+
+    def table(self) -> str:
+        k = self.k
+        head = f"{'model':<22}{'runs':>5}{f'HR@{k}':>18}{f'NDCG@{k}':>18}{'MRR':>18}"
+        lines = [head + f"{f'val NDCG@{k}':>14}{'epochs':>8}"]
+        for variant, runs in self.runs.items():
+            s = self.summary(variant)
+            cells = "".join(f"{f'{s[m][0]:.4f} ± {s[m][1]:.4f}':>18}" for m in METRICS)
+            val = np.array([r.validation_ndcg for r in runs])
+            val_cell = f"{np.nanmean(val):.4f}" if np.isfinite(val).any() else "-"
+            epochs = "-" if variant == POPULAR else "/".join(str(r.best_epoch) for r in runs)
+            lines.append(f"{variant:<22}{len(runs):>5}{cells}{val_cell:>14}{epochs:>8}")
+        for other, by_metric in self.intervals.items():
+            cells = "  ".join(f"{m.upper()} {by_metric[m]}" for m in METRICS)
+            lines.append(f"{MODEL} − {other}: {cells}")
+        lines.append(
+            f"users={self.num_users}; mean ± std over seeds; intervals: paired bootstrap of "
+            "users (and seeds); epochs = the kept (best-validation) epoch per seed"
+        )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "k": self.k,
+            "num_users": self.num_users,
+            "seconds": round(self.seconds, 1),
+            "summary": {
+                v: {m: {"mean": mu, "std": sd} for m, (mu, sd) in self.summary(v).items()}
+                for v in self.runs
+            },
+            "runs": {v: [r.to_dict() for r in runs] for v, runs in self.runs.items()},
+            "intervals": {
+                f"{MODEL} - {o}": {m: i.to_dict() for m, i in by.items()}
+                for o, by in self.intervals.items()
+            },
+        }
+
+
+def run_comparison(
+    log: InteractionLog,
+    work_dir: Path | str,
+    train_config: TrainConfig | None = None,
+    config: ComparisonConfig | None = None,
+    *,
+    progress: TextIO | None = sys.stderr,
+) -> ComparisonReport:
+    """Train (or reuse) every variant × seed, score the test split, compare to HSTU."""
+    started = time.monotonic()
+    base = train_config or TrainConfig()
+    cfg = config or ComparisonConfig()
+    root = Path(work_dir)
+    runs: dict[str, list[Run]] = {}
+    popular: Run | None = None
+    for variant, seeds in cfg.variants():
+        for seed in range(seeds):
+            run, result = _run(variant, seed, base, log, root, cfg.k, progress)
+            runs.setdefault(variant, []).append(run)
+            if progress is not None:
+                how = "reused" if run.reused else f"trained {run.train_seconds:.0f} s"
+                progress.write(
+                    f"{variant} seed {seed}: {how}, epoch {run.best_epoch}/{run.epochs_run}, "
+                    f"test HR@{cfg.k} {run.test.hr:.4f} NDCG@{cfg.k} {run.test.ndcg:.4f} "
+                    f"({run.model_version})\n"
+                )
+                progress.flush()
+            if popular is None and POPULAR in cfg.baselines:
+                assert result.popular_per_user is not None
+                popular = replace(
+                    run, variant=POPULAR, seed=-1, model_version="-", test=result.popular,
+                    validation_ndcg=float("nan"), best_epoch=0, epochs_run=0,
+                    train_seconds=0.0, per_user=result.popular_per_user,
+                )  # fmt: skip
+    if popular is not None:
+        runs[POPULAR] = [popular]
+    intervals: dict[str, dict[str, Interval]] = {}
+    mine = runs[MODEL]
+    for other, theirs in runs.items():
+        if other == MODEL:
+            continue
+        intervals[other] = {
+            m: paired_bootstrap(
+                np.stack([r.per_user.get(m) for r in mine]),
+                np.stack([r.per_user.get(m) for r in theirs]),
+                cfg.bootstrap,
+            )
+            for m in METRICS
+        }
+    return ComparisonReport(
+        runs=runs,
+        intervals=intervals,
+        k=cfg.k,
+        num_users=len(mine[0].per_user.hr),
+        seconds=time.monotonic() - started,
+    )
