@@ -228,25 +228,26 @@ def run_comparison(
     root = Path(work_dir)
     runs: dict[str, list[Run]] = {}
     popular: Run | None = None
-    for variant, seeds in cfg.variants():
-        for seed in range(seeds):
-            run, result = _run(variant, seed, base, log, root, cfg.k, progress)
-            runs.setdefault(variant, []).append(run)
-            if progress is not None:
-                how = "reused" if run.reused else f"trained {run.train_seconds:.0f} s"
-                progress.write(
-                    f"{variant} seed {seed}: {how}, epoch {run.best_epoch}/{run.epochs_run}, "
-                    f"test HR@{cfg.k} {run.test.hr:.4f} NDCG@{cfg.k} {run.test.ndcg:.4f} "
-                    f"({run.model_version})\n"
-                )
-                progress.flush()
-            if popular is None and POPULAR in cfg.baselines:
-                assert result.popular_per_user is not None
-                popular = replace(
-                    run, variant=POPULAR, seed=-1, model_version="-", test=result.popular,
-                    validation_ndcg=float("nan"), best_epoch=0, epochs_run=0,
-                    train_seconds=0.0, per_user=result.popular_per_user,
-                )  # fmt: skip
+    # Seed-major: an interrupted protocol leaves every variant with the same seeds done.
+    order = [(v, s) for s in range(cfg.seeds) for v, n in cfg.variants() if s < n]
+    for variant, seed in order:
+        run, result = _run(variant, seed, base, log, root, cfg.k, progress)
+        runs.setdefault(variant, []).append(run)
+        if progress is not None:
+            how = "reused" if run.reused else f"trained {run.train_seconds:.0f} s"
+            progress.write(
+                f"{variant} seed {seed}: {how}, epoch {run.best_epoch}/{run.epochs_run}, "
+                f"test HR@{cfg.k} {run.test.hr:.4f} NDCG@{cfg.k} {run.test.ndcg:.4f} "
+                f"({run.model_version})\n"
+            )
+            progress.flush()
+        if popular is None and POPULAR in cfg.baselines:
+            assert result.popular_per_user is not None
+            popular = replace(
+                run, variant=POPULAR, seed=-1, model_version="-", test=result.popular,
+                validation_ndcg=float("nan"), best_epoch=0, epochs_run=0,
+                train_seconds=0.0, per_user=result.popular_per_user,
+            )  # fmt: skip
     if popular is not None:
         runs[POPULAR] = [popular]
     intervals: dict[str, dict[str, Interval]] = {}
