@@ -476,7 +476,7 @@ COMMANDS: Final = (
     Command("produce", "send JSON-lines events to a topic", _build_produce),
     Command("consume", "print a topic's records as JSON lines", _build_consume),
     Command("train", "train a model directory", _build_train),
-    Command("eval", "evaluate a model directory offline", _build_eval),
+    Command("eval", "evaluate a model offline, or HSTU vs baselines over seeds", _build_eval),
     Command("export", "compile a model to an AOTInductor package", _build_export),
     Command("bench", "run a benchmark of bench/ (source checkout)", _build_bench),
     Command("config", "inspect the configuration", _build_config),
