@@ -10,7 +10,8 @@ when trained alike, so an interrupted run resumes. CPU, one thread per training.
     .venv/bin/python -m bench.offline_eval --ratings ../shared/data/movielens-small/ratings.csv
 
 (the same as ``streamrec eval --ratings R --seeds 5 --ablation no-task-heads --ablation
-no-time-bias --ablation-seeds 3 --out DIR --json FILE``.)
+no-time-bias --ablation-seeds 3 --lr-grid 0.005,0.001 --out DIR --json FILE``.) The
+learning rate of HSTU and of SASRec is chosen on validation (seed 0) from ``--lr-grid``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--patience", type=int, default=TrainConfig.patience)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument(
+        "--lr-grid", default="0.005,0.001", help="rates tried on seed 0, chosen on validation"
+    )
+    parser.add_argument(
         "--models", type=Path, default=Path(".streamrec-cache/offline-eval"), help="model dirs"
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results")
@@ -51,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     log = read_movielens(args.ratings)
     train_cfg = TrainConfig(epochs=args.epochs, patience=args.patience, threads=args.threads)
     compare = ComparisonConfig(
-        seeds=args.seeds, ablations=tuple(ABLATIONS), ablation_seeds=args.ablation_seeds
+        seeds=args.seeds,
+        ablations=tuple(ABLATIONS),
+        ablation_seeds=args.ablation_seeds,
+        lr_grid=tuple(float(lr) for lr in args.lr_grid.split(",") if lr),
     )
     report = run_comparison(log, args.models, train_cfg, compare, progress=sys.stderr)
     print(report.table())
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             f"streamrec eval --ratings {args.ratings} --seeds {args.seeds} --ablation "
             f"no-task-heads --ablation no-time-bias --ablation-seeds {args.ablation_seeds} "
             f"--epochs {args.epochs} --patience {args.patience} --threads {args.threads} "
-            f"--out {args.models}"
+            f"--lr-grid {args.lr_grid} --out {args.models}"
         ),
         "train_config": {k: v for k, v in train_cfg.__dict__.items() if not k.startswith("_")},
         "data": {"ratings": str(args.ratings), "users": log.num_users, "events": log.num_events},

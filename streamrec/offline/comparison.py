@@ -5,7 +5,9 @@ the best epoch's weights kept) for seeds 0..N-1 and scored on the test split by 
 code (``evaluation.evaluate``). The report gives mean ± standard deviation over seeds per
 metric and, for every other variant, the paired bootstrap interval of HSTU minus it
 (``bootstrap.py``: users and seeds resampled). Nothing is chosen on the test split: the
-epoch is chosen on validation, the hyperparameters are ``TrainConfig``'s defaults.
+epoch is chosen on validation, and so is the learning rate when ``lr_grid`` is given (seed
+0 of HSTU and of SASRec for each rate, the best validation NDCG@k wins); every other
+hyperparameter is ``TrainConfig``'s default.
 
 Models land in ``work_dir/<variant>-seed<s>``; a directory whose recorded training config
 equals the one asked for is evaluated again rather than retrained, so an interrupted
@@ -55,6 +57,9 @@ class ComparisonConfig:
     ablation_seeds: int | None = None  # None: ``seeds``
     k: int = 10
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    # Learning rates tried for HSTU and for SASRec, seed 0, chosen by validation NDCG@k
+    # (the ablations take HSTU's); empty: TrainConfig's lr for both.
+    lr_grid: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.seeds, int) or self.seeds < 1:
@@ -69,6 +74,8 @@ class ComparisonConfig:
             raise ConfigError(f"--ablation {bad[0]!r}: expected one of {', '.join(ABLATIONS)}")
         if self.k < 1:
             raise ConfigError(f"--k {self.k}: must be >= 1")
+        if any(not lr > 0 for lr in self.lr_grid):
+            raise ConfigError(f"--lr-grid {list(self.lr_grid)}: every rate must be > 0")
 
     def variants(self) -> list[tuple[str, int]]:
         """(variant, number of seeds) of every trained model, HSTU first."""
@@ -87,6 +94,7 @@ class Run:
     seed: int
     model_version: str
     test: RankingMetrics
+    lr: float
     validation_ndcg: float  # at the kept epoch
     best_epoch: int
     epochs_run: int
@@ -99,8 +107,9 @@ class Run:
         return {**out, **asdict(self.test)}
 
 
-def _config_for(variant: str, seed: int, base: TrainConfig) -> TrainConfig:
-    cfg = replace(base, seed=seed)
+def _config_for(variant: str, seed: int, base: TrainConfig, lrs: dict[str, float]) -> TrainConfig:
+    family = SASREC if variant == SASREC else MODEL
+    cfg = replace(base, seed=seed, lr=lrs.get(family, base.lr))
     if variant.startswith(f"{MODEL}-"):
         cfg = replace(cfg, **ABLATIONS[variant.removeprefix(f"{MODEL}-")], model_name=variant)
     return cfg
@@ -133,23 +142,50 @@ def _train_or_reuse(
     return record, False
 
 
-def _run(
-    variant: str, seed: int, base: TrainConfig, log: InteractionLog, work_dir: Path, k: int,
+def _model_dir(root: Path, variant: str, cfg: TrainConfig, base: TrainConfig) -> Path:
+    tag = "" if cfg.lr == base.lr else f"-lr{cfg.lr:g}"
+    return root / f"{variant}{tag}-seed{cfg.seed}"
+
+
+def _validation_of(record: dict[str, Any]) -> float:
+    """Validation NDCG@10 of the kept epoch, from a model's training record."""
+    scores = record.get("validation_ndcg10") or [float("nan")]
+    best = int(record.get("best_epoch", 0))
+    return float(scores[best - 1] if best else scores[-1])
+
+
+def _select_lr(
+    family: str, base: TrainConfig, grid: tuple[float, ...], log: InteractionLog, root: Path,
     progress: TextIO | None,
+) -> tuple[float, dict[float, float]]:  # fmt: skip
+    """The rate of ``grid`` whose seed-0 model scores best on validation (first on ties)."""
+    scores: dict[float, float] = {}
+    for lr in grid:
+        cfg = _config_for(family, 0, base, {family: lr})
+        record, _ = _train_or_reuse(family, cfg, log, _model_dir(root, family, cfg, base), progress)
+        scores[lr] = _validation_of(record)
+        if progress is not None:
+            progress.write(f"select {family} lr {lr:g}: validation NDCG@10 {scores[lr]:.4f}\n")
+    return max(grid, key=lambda lr: scores[lr]), scores
+
+
+def _run(
+    variant: str, seed: int, base: TrainConfig, lrs: dict[str, float], log: InteractionLog,
+    work_dir: Path, k: int, progress: TextIO | None,
 ) -> tuple[Run, EvalResult]:  # fmt: skip
-    cfg = _config_for(variant, seed, base)
-    model_dir = work_dir / f"{variant}-seed{seed}"
+    cfg = _config_for(variant, seed, base, lrs)
+    model_dir = _model_dir(work_dir, variant, cfg, base)
     record, reused = _train_or_reuse(variant, cfg, log, model_dir, progress)
     result = evaluate(model_dir, log, k=k, device=cfg.device, report=None)
     assert result.per_user is not None
-    scores = record.get("validation_ndcg10") or [float("nan")]
     best = int(record.get("best_epoch", 0))
     run = Run(
         variant=variant,
         seed=seed,
         model_version=result.model_version,
         test=result.model,
-        validation_ndcg=float(scores[best - 1] if best else scores[-1]),
+        lr=cfg.lr,
+        validation_ndcg=_validation_of(record),
         best_epoch=best,
         epochs_run=int(record.get("epochs_run", cfg.epochs)),
         train_seconds=float(record.get("seconds", 0.0)),
@@ -166,6 +202,8 @@ class ComparisonReport:
     k: int
     num_users: int
     seconds: float
+    # family -> {"grid": {lr: validation NDCG@k of seed 0}, "chosen": lr}; empty: no grid
+    selection: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def summary(self, variant: str) -> dict[str, tuple[float, float]]:
         """metric -> (mean, sample standard deviation over seeds; 0 for one run)."""
@@ -190,6 +228,9 @@ class ComparisonReport:
         for other, by_metric in self.intervals.items():
             cells = "  ".join(f"{m.upper()} {by_metric[m]}" for m in METRICS)
             lines.append(f"{MODEL} − {other}: {cells}")
+        for family, sel in self.selection.items():
+            tried = ", ".join(f"{lr:g}: {v:.4f}" for lr, v in sel["grid"].items())
+            lines.append(f"{family} lr chosen on validation (seed 0): {sel['chosen']:g} ({tried})")
         lines.append(
             f"users={self.num_users}; mean ± std over seeds; intervals: paired bootstrap of "
             "users (and seeds); epochs = the kept (best-validation) epoch per seed"
@@ -201,6 +242,13 @@ class ComparisonReport:
             "k": self.k,
             "num_users": self.num_users,
             "seconds": round(self.seconds, 1),
+            "selection": {
+                f: {
+                    "chosen": sel["chosen"],
+                    "grid": {f"{lr:g}": v for lr, v in sel["grid"].items()},
+                }
+                for f, sel in self.selection.items()
+            },
             "summary": {
                 v: {m: {"mean": mu, "std": sd} for m, (mu, sd) in self.summary(v).items()}
                 for v in self.runs
@@ -228,10 +276,17 @@ def run_comparison(
     root = Path(work_dir)
     runs: dict[str, list[Run]] = {}
     popular: Run | None = None
+    lrs: dict[str, float] = {}
+    selection: dict[str, dict[str, Any]] = {}
+    families = [MODEL] + ([SASREC] if SASREC in cfg.baselines else [])
+    for family in families if cfg.lr_grid else []:
+        chosen, scores = _select_lr(family, base, cfg.lr_grid, log, root, progress)
+        lrs[family] = chosen
+        selection[family] = {"grid": scores, "chosen": chosen}
     # Seed-major: an interrupted protocol leaves every variant with the same seeds done.
     order = [(v, s) for s in range(cfg.seeds) for v, n in cfg.variants() if s < n]
     for variant, seed in order:
-        run, result = _run(variant, seed, base, log, root, cfg.k, progress)
+        run, result = _run(variant, seed, base, lrs, log, root, cfg.k, progress)
         runs.setdefault(variant, []).append(run)
         if progress is not None:
             how = "reused" if run.reused else f"trained {run.train_seconds:.0f} s"
@@ -269,4 +324,5 @@ def run_comparison(
         k=cfg.k,
         num_users=len(mine[0].per_user.hr),
         seconds=time.monotonic() - started,
+        selection=selection,
     )

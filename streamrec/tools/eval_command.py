@@ -64,7 +64,19 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads per training (0: torch's)"
     )
+    parser.add_argument(
+        "--lr-grid", metavar="LR,LR", default="",
+        help="with --seeds: learning rates tried on seed 0 of HSTU and SASRec, the best "
+        "validation NDCG@k kept (default: TrainConfig's lr only)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="FILE", help="with --seeds: write figures")
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"--lr-grid {text!r}: expected numbers separated by commas") from None
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -92,6 +104,7 @@ def run_eval(args: argparse.Namespace, data: InteractionLog) -> int:
         ablations=tuple(args.ablation or ()),
         ablation_seeds=args.ablation_seeds,
         k=args.k,
+        lr_grid=_rates(args.lr_grid),
     )
     train_cfg = TrainConfig(
         epochs=args.epochs, patience=args.patience, threads=args.threads, device=args.device

@@ -50,6 +50,19 @@ def test_protocol_trains_every_variant_and_reuses_them(tmp_path) -> None:
     assert again.runs["hstu"][0].test == hstu[0].test
 
 
+def test_lr_grid_is_decided_on_validation_and_used_for_every_seed(tmp_path) -> None:
+    cfg = ComparisonConfig(seeds=2, baselines=("sasrec",), lr_grid=(TRAIN.lr, 0.02))
+    report = run_comparison(LOG, tmp_path, TRAIN, cfg, progress=None)
+    assert set(report.selection) == {"hstu", "sasrec"}
+    for family, sel in report.selection.items():
+        assert set(sel["grid"]) == {TRAIN.lr, 0.02}
+        assert sel["chosen"] == max(sel["grid"], key=sel["grid"].get)
+        assert {r.lr for r in report.runs[family]} == {sel["chosen"]}
+    assert (tmp_path / "sasrec-lr0.02-seed0").is_dir() and (tmp_path / "hstu-seed0").is_dir()
+    assert "lr chosen on validation (seed 0)" in report.table()
+    assert "selection" in report.to_dict()
+
+
 def test_unknown_names_are_one_line_errors() -> None:
     with pytest.raises(ConfigError, match="--baseline 'bert4rec'"):
         ComparisonConfig(baselines=("bert4rec",))
@@ -57,3 +70,5 @@ def test_unknown_names_are_one_line_errors() -> None:
         ComparisonConfig(ablations=("no-layers",))
     with pytest.raises(ConfigError, match="--seeds 0"):
         ComparisonConfig(seeds=0)
+    with pytest.raises(ConfigError, match="--lr-grid"):
+        ComparisonConfig(lr_grid=(0.0,))

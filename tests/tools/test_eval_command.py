@@ -17,6 +17,7 @@ from streamrec.tools.cli import main
         (["eval", "--seeds", "0"], "streamrec eval: error: --seeds 0: must be an int >= 1"),
         (["eval", "--seeds", "1", "--model", "m"], "streamrec eval: error: --model and --seeds"),
         (["eval", "--seeds", "1", "--patience", "-1"], "streamrec eval: error: TrainConfig.patie"),
+        (["eval", "--seeds", "1", "--lr-grid", "x"], "streamrec eval: error: --lr-grid 'x'"),
     ],
 )
 def test_eval_mistakes_are_one_line_and_status_1(
