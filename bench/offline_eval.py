@@ -10,7 +10,7 @@ when trained alike, so an interrupted run resumes. CPU, one thread per training.
     .venv/bin/python -m bench.offline_eval --ratings ../shared/data/movielens-small/ratings.csv
 
 (the same as ``streamrec eval --ratings R --seeds 5 --ablation no-task-heads --ablation
-no-time-bias --ablation-seeds 3 --lr-grid 0.005,0.001 --out DIR --json FILE``.) The
+no-time-bias --ablation-seeds 3 --lr-grid 0.005,0.002 --out DIR --json FILE``.) The
 learning rate of HSTU and of SASRec is chosen on validation (seed 0) from ``--lr-grid``.
 """
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--patience", type=int, default=TrainConfig.patience)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument(
-        "--lr-grid", default="0.005,0.001", help="rates tried on seed 0, chosen on validation"
+        "--lr-grid", default="0.005,0.002", help="rates tried on seed 0, chosen on validation"
     )
     parser.add_argument(
         "--models", type=Path, default=Path(".streamrec-cache/offline-eval"), help="model dirs"

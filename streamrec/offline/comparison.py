@@ -115,8 +115,21 @@ def _config_for(variant: str, seed: int, base: TrainConfig, lrs: dict[str, float
     return cfg
 
 
+def _same_stop(training: dict[str, Any], cfg: TrainConfig) -> bool:
+    """Whether a recorded run would have stopped where it did under ``cfg.patience``.
+
+    A run that went through every epoch never met its patience; a larger one (or 0,
+    never) would not have met it either, so the weights are the same.
+    """
+    old = training.get("patience")
+    if old == cfg.patience:
+        return True
+    ran_all = training.get("epochs_run") == cfg.epochs
+    return ran_all and isinstance(old, int) and (cfg.patience == 0 or cfg.patience >= old > 0)
+
+
 def _reusable(model_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
-    """The directory's training record if it was trained with exactly ``cfg``."""
+    """The directory's training record if training with ``cfg`` would give its weights."""
     try:
         meta = json.loads((model_dir / META).read_text())
     except (OSError, ValueError):
@@ -125,8 +138,8 @@ def _reusable(model_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
     expected = asdict(cfg)
     if SASREC in model_dir.name:
         expected = {**expected, "task_weight": 0.0, "model_name": SASREC}
-    same = all(training.get(k) == v for k, v in expected.items())
-    return training if same else None
+    same = all(training.get(k) == v for k, v in expected.items() if k != "patience")
+    return training if same and _same_stop(training, cfg) else None
 
 
 def _train_or_reuse(

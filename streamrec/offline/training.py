@@ -80,9 +80,11 @@ class TrainConfig:
     num_oov_buckets: int = 16
     model_name: str = "hstu"
     # Hold out each user's second-to-last event; keep the best epoch by its NDCG@10 and
-    # stop ``patience`` epochs after it (0: run every epoch, still keep the best).
+    # stop ``patience`` epochs after it (0: run every epoch, still keep the best). 3, not
+    # 2: on MovieLens-small's 610 users the validation figure dips for an epoch or two
+    # early on (SASRec seed 1: 0.0134, 0.0074, 0.0102, ...) before it climbs again.
     validation: bool = True
-    patience: int = 2
+    patience: int = 3
     time_bias: bool = True  # False: the layers' time bias is zero and frozen (ablation)
     threads: int = 0  # torch CPU threads while training; 0 = leave torch's setting
 

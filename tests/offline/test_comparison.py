@@ -63,6 +63,16 @@ def test_lr_grid_is_decided_on_validation_and_used_for_every_seed(tmp_path) -> N
     assert "selection" in report.to_dict()
 
 
+def test_a_run_that_never_stopped_early_is_reused_under_a_larger_patience(tmp_path) -> None:
+    cfg = ComparisonConfig(seeds=1, baselines=())
+    first = run_comparison(LOG, tmp_path, TRAIN, cfg, progress=None).runs["hstu"][0]
+    assert first.epochs_run == TRAIN.epochs and not first.reused
+    for patience, reused in ((TRAIN.patience + 1, True), (0, True), (1, False)):
+        more = TrainConfig(**{**TRAIN.__dict__, "patience": patience})
+        run = run_comparison(LOG, tmp_path, more, cfg, progress=None).runs["hstu"][0]
+        assert (run.reused, run.model_version) == (reused, first.model_version)
+
+
 def test_unknown_names_are_one_line_errors() -> None:
     with pytest.raises(ConfigError, match="--baseline 'bert4rec'"):
         ComparisonConfig(baselines=("bert4rec",))
