@@ -79,6 +79,15 @@ class InteractionLog:
         )
         return train, test
 
+    def without_last(self) -> InteractionLog:
+        """Each user's events but the last (users with ≥ 2 events): the validation log.
+
+        Its ``leave_last_out`` holds out the second-to-last event of every user (the
+        validation target) and leaves the events training may see; the last event stays
+        untouched for the test figures.
+        """
+        return self.leave_last_out()[0]
+
 
 def _from_events(
     users: np.ndarray, items: np.ndarray, actions: np.ndarray, ts_ms: np.ndarray

@@ -54,6 +54,7 @@ BENCHMARKS: Final = {
     "h200": "bench.h200_bench",
     "soak": "bench.soak",
     "cpu-vs-naive": "bench.cpu_worker_vs_naive",
+    "offline-eval": "bench.offline_eval",
 }
 
 __all__ = ["build_parser", "config_overrides", "effective_config", "main", "render_toml"]
@@ -278,6 +279,8 @@ def _train(args: argparse.Namespace) -> int:
         device=args.device,
         max_seq_len=args.max_seq_len,
         seq_len=min(args.max_seq_len, TrainConfig.seq_len),
+        patience=args.patience,
+        threads=args.threads,
     )
     if args.draft_of is not None:
         from streamrec.offline.distillation import DraftConfig, train_draft
@@ -288,22 +291,16 @@ def _train(args: argparse.Namespace) -> int:
         result = train(_training_data(args), args.out, config)
     print(
         f"streamrec train: wrote {result.model_dir} (model_version {result.model_version}, "
-        f"{result.steps} steps, loss {result.final_loss:.4f}, {result.seconds:.1f} s)"
+        f"{result.steps} steps, loss {result.final_loss:.4f}, {result.seconds:.1f} s"
+        + (f", kept epoch {result.best_epoch} of {result.epochs})" if result.best_epoch else ")")
     )
     return EXIT_OK
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from streamrec.offline.evaluation import evaluate
+    from streamrec.tools.eval_command import run_eval
 
-    evaluate(
-        args.model,
-        _training_data(args),
-        k=args.k,
-        exclude_history=args.exclude_history,
-        device=args.device,
-    )
-    return EXIT_OK
+    return run_eval(args, _training_data(args))
 
 
 def _add_data_flags(parser: argparse.ArgumentParser) -> None:
@@ -372,6 +369,13 @@ def _build_train(parser: argparse.ArgumentParser) -> None:
         "--max-seq-len", type=int, default=TrainConfig.max_seq_len, help="history window"
     )
     parser.add_argument(
+        "--patience", type=int, default=TrainConfig.patience,
+        help="stop after this many epochs without a better validation NDCG@10 (0: never)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--threads", type=int, default=TrainConfig.threads, help="torch CPU threads (0: torch's)"
+    )
+    parser.add_argument(
         "--draft-of", type=Path, metavar="MODEL_DIR",
         help="distill a draft of MODEL_DIR for speculative generation (same vocabulary)",
     )  # fmt: skip
@@ -381,13 +385,11 @@ def _build_train(parser: argparse.ArgumentParser) -> None:
 
 
 def _build_eval(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, required=True, metavar="DIR", help="model directory")
+    from streamrec.tools.eval_command import add_eval_arguments
+
+    add_eval_arguments(parser)
     parser.add_argument("--model-dir", dest="model", type=Path, action=DeprecatedAlias,
                         replacement="--model")  # fmt: skip
-    parser.add_argument("--k", type=int, default=10, help="cut-off of HR@k and NDCG@k")
-    parser.add_argument(
-        "--exclude-history", action="store_true", help="never rank a user's own past items"
-    )
     _add_data_flags(parser)
     parser.set_defaults(handler=_on_device(_eval))
 
@@ -474,7 +476,7 @@ COMMANDS: Final = (
     Command("produce", "send JSON-lines events to a topic", _build_produce),
     Command("consume", "print a topic's records as JSON lines", _build_consume),
     Command("train", "train a model directory", _build_train),
-    Command("eval", "evaluate a model directory offline", _build_eval),
+    Command("eval", "evaluate a model offline, or HSTU vs baselines over seeds", _build_eval),
     Command("export", "compile a model to an AOTInductor package", _build_export),
     Command("bench", "run a benchmark of bench/ (source checkout)", _build_bench),
     Command("config", "inspect the configuration", _build_config),

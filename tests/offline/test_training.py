@@ -5,14 +5,24 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from streamrec.errors import ConfigError
 from streamrec.models.checkpoint import load_checkpoint
+from streamrec.models.hstu import HSTU
 from streamrec.offline.datasets import SyntheticSpec, read_movielens, synthetic_log
 from streamrec.offline.evaluation import evaluate
-from streamrec.offline.training import TrainConfig, train
+from streamrec.offline.training import (
+    TrainConfig,
+    _batch,
+    _windows,
+    fit,
+    next_item_loss,
+    prepare,
+    train,
+)
 from tests.models.paged import FakePagedCache
 
 MOVIELENS = Path("/work/shared/data/movielens-small/ratings.csv")
@@ -109,3 +119,90 @@ def test_movielens_smoke_train_and_eval(tmp_path) -> None:
     metrics = evaluate(result.model_dir, small, report=None)
     assert metrics.num_users == keep
     assert 0.0 <= metrics.model.hr <= 1.0 and metrics.popular.hr > 0.0
+
+
+TINY = TrainConfig(
+    epochs=1, batch_size=8, seq_len=12, max_seq_len=12, d_model=16, num_heads=2, head_dim=8,
+    num_negatives=0, dropout=0.2, task_weight=0.5, threads=2,
+)  # fmt: skip
+TINY_LOG = synthetic_log(SyntheticSpec(num_users=24, num_items=40, events_per_user=20))
+
+
+def test_windows_put_a_target_at_every_position_evaluation_reads() -> None:
+    """Issue 22: a 12-token history read at evaluation has its last position trained."""
+    lengths = np.array([30, 13, 5, 1])
+    windows = _windows(lengths, 12, np.random.default_rng(0))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    rows = np.arange(int(offsets[-1])) + 17
+    zeros = np.zeros_like(rows)
+    batch = _batch(windows, offsets, rows, zeros, zeros)
+    assert batch["items"].shape[1] == 12 and bool(batch["target"][:, 11].any())
+    assert torch.equal(batch["target"], batch["valid"])  # every input predicts its next
+    for user, n in enumerate(lengths.tolist()):
+        mine = windows[windows[:, 0] == user]
+        pairs = {(int(s) + i, int(s) + i + 1) for _, s, e in mine for i in range(int(e - s) - 1)}
+        assert pairs == {(i, i + 1) for i in range(n - 1)}  # every transition, none past n
+        if n > 12:
+            assert (user, n - 13, n) in {tuple(w) for w in mine.tolist()}  # newest: full
+
+
+def test_validation_split_holds_out_the_second_to_last_event() -> None:
+    data = prepare(TINY_LOG, TINY)
+    assert data.validation is not None
+    assert (data.part.lengths() == 18).all()
+    history, target = data.validation.leave_last_out()
+    assert np.array_equal(history.items, data.part.items)
+    assert target.items.tolist() == [TINY_LOG.items[e - 2] for e in TINY_LOG.offsets[1:]]
+    no_val = prepare(TINY_LOG, TrainConfig(**{**TINY.__dict__, "validation": False}))
+    assert no_val.validation is None and (no_val.part.lengths() == 19).all()
+
+
+def test_same_seed_same_model_version_with_dropout_and_threads(tmp_path) -> None:
+    """Issue 22 target: same seed -> identical model on the CPU (dropout on, 2 threads)."""
+    before = torch.get_num_threads()
+    a = train(TINY_LOG, tmp_path / "a", TINY, progress=None)
+    torch.rand(7)  # whatever the process drew in between must not matter
+    b = train(TINY_LOG, tmp_path / "b", TINY, progress=None)
+    c = train(TINY_LOG, tmp_path / "c", TrainConfig(**{**TINY.__dict__, "seed": 1}), progress=None)
+    assert a.model_version == b.model_version != c.model_version
+    assert torch.get_num_threads() == before  # restored
+    assert not torch.are_deterministic_algorithms_enabled()
+    meta = load_checkpoint(a.model_dir).meta["training"]
+    assert meta["threads_used"] == 2 and meta["best_epoch"] == 1
+    assert len(meta["validation_ndcg10"]) == 1
+
+
+def test_early_stopping_keeps_the_best_epoch() -> None:
+    data = prepare(TINY_LOG, TINY)
+    model = HSTU(TINY.model_config(data.vocab.size))
+    scores = iter([0.1, 0.3, 0.2, 0.25, 0.9])
+    kept: list[dict[str, torch.Tensor]] = []
+
+    def validate() -> float:
+        kept.append({k: v.clone() for k, v in model.state_dict().items()})
+        return next(scores)
+
+    def loss_fn(m, batch, gen):
+        return next_item_loss(m, batch, TINY, gen)
+
+    cfg = TrainConfig(**{**TINY.__dict__, "epochs": 5, "patience": 2})
+    stats = fit(model, data.part, data.rows, cfg, loss_fn, None, validate)
+    assert (stats.epochs, stats.best_epoch, stats.validation) == (4, 2, (0.1, 0.3, 0.2, 0.25))
+    state = model.state_dict()
+    assert all(torch.equal(state[k], kept[1][k]) for k in state)
+    assert not all(torch.equal(state[k], kept[3][k]) for k in state)
+
+
+def test_time_bias_ablation_keeps_the_bias_at_zero(tmp_path) -> None:
+    cfg = TrainConfig(**{**TINY.__dict__, "time_bias": False})
+    result = train(TINY_LOG, tmp_path / "m", cfg, progress=None)
+    model = load_checkpoint(result.model_dir).model
+    assert all(float(layer.time_bias.detach().abs().max()) == 0.0 for layer in model.layers)
+    assert any(float(layer.pos_bias.detach().abs().max()) > 0.0 for layer in model.layers)
+
+
+def test_bad_patience_and_threads_are_named() -> None:
+    with pytest.raises(ConfigError, match="patience=-1"):
+        TrainConfig(patience=-1)
+    with pytest.raises(ConfigError, match="threads=-2"):
+        TrainConfig(threads=-2)
