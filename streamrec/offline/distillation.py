@@ -27,7 +27,7 @@ from streamrec.models.checkpoint import load_checkpoint, save_checkpoint
 from streamrec.models.draft import draft_meta
 from streamrec.models.hstu import HSTU, HSTULayer
 from streamrec.offline.datasets import InteractionLog
-from streamrec.offline.training import TrainConfig, TrainResult, fit
+from streamrec.offline.training import TrainConfig, TrainResult, deterministic, fit
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,18 @@ def train_draft(
 ) -> TrainResult:
     """Distill a draft of ``target_dir`` on ``log`` (all but each user's last event)."""
     cfg = config or TrainConfig()
-    draft_cfg = draft or DraftConfig()
-    torch.manual_seed(cfg.seed)
+    with deterministic(cfg.seed, cfg.threads, cfg.device):  # seeds, threads: as ``train``
+        return _distill(log, target_dir, out_dir, cfg, draft or DraftConfig(), progress)
+
+
+def _distill(
+    log: InteractionLog,
+    target_dir: Path | str,
+    out_dir: Path | str,
+    cfg: TrainConfig,
+    draft_cfg: DraftConfig,
+    progress: TextIO | None,
+) -> TrainResult:
     device = torch.device(cfg.device)
     target_ckpt = load_checkpoint(target_dir, device=device, dtype="float32")
     target = target_ckpt.model.eval()

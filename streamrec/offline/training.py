@@ -86,7 +86,11 @@ class TrainConfig:
     validation: bool = True
     patience: int = 3
     time_bias: bool = True  # False: the layers' time bias is zero and frozen (ablation)
-    threads: int = 0  # torch CPU threads while training; 0 = leave torch's setting
+    # torch CPU threads while training (0 = leave torch's setting). 1 by default: the
+    # weights then do not depend on the machine's core count (a reduction's order does),
+    # and this model size gains little from more (2 threads beside a busy core: 40x
+    # slower, OpenMP waits for the descheduled thread).
+    threads: int = 1
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "seq_len", "num_negatives", "patience", "threads"):

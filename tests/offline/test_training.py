@@ -18,6 +18,7 @@ from streamrec.offline.training import (
     TrainConfig,
     _batch,
     _windows,
+    deterministic,
     fit,
     next_item_loss,
     prepare,
@@ -185,8 +186,9 @@ def test_early_stopping_keeps_the_best_epoch() -> None:
     def loss_fn(m, batch, gen):
         return next_item_loss(m, batch, TINY, gen)
 
-    cfg = TrainConfig(**{**TINY.__dict__, "epochs": 5, "patience": 2})
-    stats = fit(model, data.part, data.rows, cfg, loss_fn, None, validate)
+    cfg = TrainConfig(**{**TINY.__dict__, "epochs": 5, "patience": 2, "threads": 1})
+    with deterministic(cfg.seed, cfg.threads, cfg.device):
+        stats = fit(model, data.part, data.rows, cfg, loss_fn, None, validate)
     assert (stats.epochs, stats.best_epoch, stats.validation) == (4, 2, (0.1, 0.3, 0.2, 0.25))
     state = model.state_dict()
     assert all(torch.equal(state[k], kept[1][k]) for k in state)
