@@ -230,14 +230,18 @@ class ComparisonReport:
     def table(self) -> str:
         k = self.k
         head = f"{'model':<22}{'runs':>5}{f'HR@{k}':>18}{f'NDCG@{k}':>18}{'MRR':>18}"
-        lines = [head + f"{f'val NDCG@{k}':>14}{'epochs':>8}"]
+        lines = [head + f"{f'val NDCG@{k}':>14}  kept epoch per seed"]
         for variant, runs in self.runs.items():
             s = self.summary(variant)
             cells = "".join(f"{f'{s[m][0]:.4f} ± {s[m][1]:.4f}':>18}" for m in METRICS)
             val = np.array([r.validation_ndcg for r in runs])
             val_cell = f"{np.nanmean(val):.4f}" if np.isfinite(val).any() else "-"
-            epochs = "-" if variant == POPULAR else "/".join(str(r.best_epoch) for r in runs)
-            lines.append(f"{variant:<22}{len(runs):>5}{cells}{val_cell:>14}{epochs:>8}")
+            epochs = (
+                "-"
+                if variant == POPULAR
+                else " ".join(f"{r.best_epoch}/{r.epochs_run}" for r in runs)
+            )
+            lines.append(f"{variant:<22}{len(runs):>5}{cells}{val_cell:>14}  {epochs}")
         for other, by_metric in self.intervals.items():
             cells = "  ".join(f"{m.upper()} {by_metric[m]}" for m in METRICS)
             lines.append(f"{MODEL} − {other}: {cells}")
@@ -246,7 +250,7 @@ class ComparisonReport:
             lines.append(f"{family} lr chosen on validation (seed 0): {sel['chosen']:g} ({tried})")
         lines.append(
             f"users={self.num_users}; mean ± std over seeds; intervals: paired bootstrap of "
-            "users (and seeds); epochs = the kept (best-validation) epoch per seed"
+            "users (and seeds); kept epoch = best validation epoch / epochs run"
         )
         return "\n".join(lines)
 
