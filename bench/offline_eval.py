@@ -10,7 +10,7 @@ when trained alike, so an interrupted run resumes. CPU, one thread per training.
     .venv/bin/python -m bench.offline_eval --ratings ../shared/data/movielens-small/ratings.csv
 
 (the same as ``streamrec eval --ratings R --seeds 5 --ablation no-task-heads --ablation
-no-time-bias --ablation-seeds 3 --lr-grid 0.005,0.002 --out DIR --json FILE``.) The
+no-time-bias --ablation-seeds 5 --lr-grid 0.005,0.002 --out DIR --json FILE``.) The
 learning rate of HSTU and of SASRec is chosen on validation (seed 0) from ``--lr-grid``.
 """
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--ratings", type=Path, default=DEFAULT_RATINGS, help="ratings.csv")
     parser.add_argument("--seeds", type=int, default=5, help="seeds of HSTU and SASRec")
-    parser.add_argument("--ablation-seeds", type=int, default=3, help="seeds of each ablation")
+    parser.add_argument("--ablation-seeds", type=int, default=5, help="seeds of each ablation")
     parser.add_argument("--epochs", type=int, default=TrainConfig.epochs, help="most epochs")
     parser.add_argument("--patience", type=int, default=TrainConfig.patience)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
