@@ -335,6 +335,7 @@ class Engine:
                 self._stream.synchronize()
         for user in timings.dropped:  # gone from every tier: next time is a rebuild
             self._users.pop(user, None)
+            self._ahead.pop(user, None)  # nothing cached is ahead of its batches now
         return outputs, timings
 
     def _step(

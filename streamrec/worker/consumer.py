@@ -188,6 +188,20 @@ class KafkaInput:
         consumer, self._consumer = self._consumer, None
         admin, self._admin = self._admin, None
         if consumer is not None:
-            await consumer.stop()
+            await _stop_tolerating_own_cancel(consumer)
         if admin is not None:
             await admin.close()
+
+
+async def _stop_tolerating_own_cancel(consumer: AIOKafkaConsumer) -> None:
+    """``consumer.stop()``, where aiokafka's fetcher awaits the fetch tasks it has just
+    cancelled: one that was backing off after a lost broker re-raises its CancelledError
+    into the caller (seen with a restarted broker: the worker's exit became a cancelled
+    task). That error is swallowed unless this task itself is being cancelled."""
+    try:
+        await consumer.stop()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.warning("consumer stop: aiokafka re-raised its own fetch task's cancellation")
