@@ -197,7 +197,7 @@ def kernel_rows(setup: Setup, ceil: dict[str, float]) -> list[dict[str, Any]]:
         q = torch.randn(batch, cfg.num_heads, cfg.head_dim, device=dev, dtype=dtype)
         kn, vn = torch.randn_like(q), torch.randn_like(q)
         head = (q, lens[users], data.ts, users, users, kn, vn)
-        sub = min(batch, 64)
+        sub, rsub = min(batch, 64), min(batch, 4)
         deq = (k_8.float() * scale[0, :, None], v_8.float() * scale[1, :, None])
         pb, tb, n = layer.pos_bias.float(), layer.time_bias.float(), cfg.max_seq_len
         ref = {  # fp32 math on each pool's own values, first ``sub`` users
@@ -218,16 +218,18 @@ def kernel_rows(setup: Setup, ceil: dict[str, float]) -> list[dict[str, Any]]:
             ]  # fmt: skip
             found[name] = _best(f"decode {name} batch {batch}", calls, setup, ref[name], sub)
         rows += _speedup_rows("decode", batch, found, int(lens.sum()) * hd * 2, ceil)
+        del ref
         cands = torch.randn(batch, setup.cands, cfg.num_heads, cfg.head_dim, device=dev,
                             dtype=dtype)  # fmt: skip
         own_k, own_v = torch.randn_like(cands), torch.randn_like(cands)
         found = {}
         for name, pool, kv_scale in (("bf16", (k_b, v_b), None), ("fp8", (k_8, v_8), scale)):
             deq_pool = (k_b.float(), v_b.float()) if kv_scale is None else deq
+            # (the candidate reference gathers [C, N, H, d] per user: ~1 GiB each)
             want = ca.candidate_attention_reference(
-                cands[:sub].float(), own_k[:sub].float(), own_v[:sub].float(), lens[:sub],
-                data.ts[:sub], *deq_pool, data.cache.ts, data.tables[:sub], lens[:sub],
-                pb, tb, edges, n,
+                cands[:rsub].float(), own_k[:rsub].float(), own_v[:rsub].float(),
+                lens[:rsub], data.ts[:rsub], *deq_pool, data.cache.ts, data.tables[:rsub],
+                lens[:rsub], pb, tb, edges, n,
             )  # fmt: skip
             calls = [
                 ("x".join(map(str, var)),
@@ -235,7 +237,8 @@ def kernel_rows(setup: Setup, ceil: dict[str, float]) -> list[dict[str, Any]]:
                        *tail, cfg.max_seq_len, *var, kv_scale=kv_scale))
                 for var in RANK_LAUNCHES
             ]  # fmt: skip
-            found[name] = _best(f"rank {name} batch {batch}", calls, setup, want, sub)
+            found[name] = _best(f"rank {name} batch {batch}", calls, setup, want, rsub)
+            del want
         rows += _speedup_rows("rank", batch, found, int(lens.sum()) * hd * 2, ceil)
         del data, k_8, v_8
         if torch.cuda.is_available():
@@ -284,6 +287,7 @@ def step_rows(setup: Setup) -> list[dict[str, Any]]:
         except Exception as exc:  # e.g. out of memory: the other variants still run
             print(f"step {name}: {type(exc).__name__}: {exc}"[:300])
     rows: list[dict[str, Any]] = []
+    kernels: dict[str, list[dict[str, Any]]] = {}
     for batch in setup.batches:
         results: dict[str, tuple[float, torch.Tensor]] = {}
         for name, model in models.items():
@@ -295,6 +299,8 @@ def step_rows(setup: Setup) -> list[dict[str, Any]]:
                     ms = timed_ms(step, setup)
                 results[name] = (ms, emb.float())
                 print(f"step {name} batch {batch}: {ms:.3f} ms")
+                if setup.device == "cuda" and batch == setup.batches[0]:
+                    kernels[name] = kernel_profile(step)
                 del data, step
             except Exception as exc:  # report and go on with the other variants
                 print(f"step {name} batch {batch}: {type(exc).__name__}: {exc}"[:400])
@@ -313,7 +319,36 @@ def step_rows(setup: Setup) -> list[dict[str, Any]]:
                 "speedup_vs_bf16": round(bf16_ms / ms, 3), "bf16_ms": round(bf16_ms, 3),
                 "fp8_ms": round(ms, 3), "user_emb_rel_err_vs_bf16": round(err, 4),
             })  # fmt: skip
+    for name, top in kernels.items():  # where each variant's step time goes (batch 64)
+        print(f"step kernels {name} batch {setup.batches[0]} (us per step, calls):")
+        for entry in top:
+            print(f"  {entry['us']:9.1f} {entry['calls']:4d}  {entry['kernel']}")
+        rows.append({"op": "step_kernels", "batch": setup.batches[0], "variant": name,
+                     "speedup_vs_bf16": None, "kernels": top})  # fmt: skip
     return rows
+
+
+def kernel_profile(step: Callable[[], Any], steps: int = 5, top: int = 12) -> list[dict[str, Any]]:
+    """GPU time per kernel name in one eager step (no graph: the profiler names each
+    launch), the ``top`` largest: the profile behind a speedup or a slowdown."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name[:90], [0.0, 0])
+            entry[0] += event.device_time
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"kernel": name, "us": round(t / steps, 1), "calls": int(n) // steps}
+            for name, (t, n) in ranked]  # fmt: skip
 
 
 # ------------------------------------------------------------------ main
@@ -355,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'op':<9}{'batch':>6}  {'variant':<18}{'speedup':>9}  detail")
     for row in rows:
         detail = {k: v for k, v in row.items() if k.endswith(shown) and k != "speedup_vs_bf16"}
+        if row["speedup_vs_bf16"] is None:
+            continue
         print(f"{row['op']:<9}{row['batch'] or '-':>6}  {row['variant']:<18}"
               f"{row['speedup_vs_bf16']:>8.2f}x  {detail}")  # fmt: skip
     print(f"wrote {out} ({payload['seconds']} s)")

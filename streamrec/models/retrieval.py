@@ -449,7 +449,7 @@ if triton is not None:
         if dim % cfg.block_k:
             raise ModelError(f"dim {dim} is not a multiple of block_k={cfg.block_k}")
         bb, bv = cfg.block_b, cfg.block_v
-        keep = _next_pow2(k)
+        keep = max(2, _next_pow2(k))  # tl.topk and the merge need at least 2 lanes
         cap = _next_pow2(keep + bv)
         launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         tile = {"D": dim, "BLOCK_B": bb, "BLOCK_V": bv, "BLOCK_K": cfg.block_k,

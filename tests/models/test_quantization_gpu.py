@@ -6,8 +6,9 @@ equals prefill(prefix) + extends of 1..5 tokens (user embeddings, cached values)
 over the incremental cache equals rank over a recompute, rank writes nothing. Errors and
 the share of cached codes that differ are printed (``-s``) for BENCHMARKS.md.
 
-In fp32 the two paths differ by ~1e-7, so a code differs only where a value sits on an
-e4m3 rounding boundary (none in the CPU tests). In bf16 they differ by ~1e-2 from the
+On the CPU an fp32 model's two paths differ by ~1e-7, so a code differs only where a value
+sits on an e4m3 rounding boundary (none in the CPU tests); on CUDA by ~1e-4 (tf32 dots).
+In bf16 they differ by ~1e-2 from the
 first layer on (the bf16 bound of test_hstu_gpu is 3e-2), and quantizing amplifies that:
 a value 1 % off lands on the neighbouring code (6-12 % away) in ~10 % of the cached
 codes with FP8 KV, and FP8 activations in every GEMM do the same to the layer inputs
@@ -33,12 +34,19 @@ from tests.models.test_hstu_gpu import BLOCK_SIZE, _jagged, _model, _write, rel_
 
 # Relative error bounds (docs/contracts.md, "FP8 serving"): (model dtype, FP8 weights).
 TOLERANCE = {
-    ("float32", False): 1e-3, ("float32", True): 1e-3,
+    ("float32", False): 1e-3, ("float32", True): 1e-1,
     ("bfloat16", False): 3e-2, ("bfloat16", True): 1e-1,
 }  # fmt: skip
-# Share of cached codes that may differ: rare in fp32; in bf16 a wrong scale would make
-# nearly all differ, the rounding differences above make 10-30 % differ.
-CODE_MISMATCH_TOL = {"float32": 1e-4, "bfloat16": 0.5}
+# On CUDA an fp32 model's Triton dots run in tf32 (the two paths differ by ~1e-4), which
+# FP8 activations amplify as in bf16 (H200: user embedding 2.9e-2, 0.64 % of the codes):
+# fp32 + FP8 weights has the bf16 bound (TOLERANCE above).
+# Share of cached codes that may differ: rare in fp32 (a few in 1e4 with tf32 dots, more
+# with FP8 activations); in bf16 a wrong scale would make nearly all differ, the rounding
+# differences above make 10-30 % differ.
+CODE_MISMATCH_TOL = {
+    ("float32", False): 1e-4, ("float32", True): 5e-2,
+    ("bfloat16", False): 0.5, ("bfloat16", True): 0.5,
+}  # fmt: skip
 PRECISIONS = [
     ServingPrecision(kv_dtype="fp8_e4m3"),
     ServingPrecision(kv_dtype="fp8_e4m3", weight_dtype="fp8"),
@@ -116,12 +124,13 @@ def test_incremental_equals_full_recompute_under_fp8_on_cuda(
     want = model.rank(cands, query_ts, rec.kv, rec.ts, *rec.batch_tables(users))
     rank_err = rel_err(got, want)
     tol = TOLERANCE[dtype, precision.fp8_weights]
+    codes_tol = CODE_MISMATCH_TOL[dtype, precision.fp8_weights]
     print(
         f"\n{dtype} {precision} on {torch.cuda.get_device_name()}: user_emb {emb_err:.2e}, "
         f"K {k_err:.2e}, V {v_err:.2e}, rank {rank_err:.2e}, codes differing {differ:.2e} "
-        f"(tolerance {tol:.0e}, codes {CODE_MISMATCH_TOL[dtype]:.0e})"
+        f"(tolerance {tol:.0e}, codes {codes_tol:.0e})"
     )
     assert torch.equal(inc.kv.view(torch.uint8), before)  # rank writes nothing
     for err in (emb_err, k_err, v_err, rank_err):
         assert err < tol
-    assert differ <= CODE_MISMATCH_TOL[dtype]
+    assert differ <= codes_tol

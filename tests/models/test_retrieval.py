@@ -353,6 +353,21 @@ def test_fused_equals_mm_topk_over_1m_items(
 
 @pytest.mark.gpu
 @CUDA_ONLY
+@pytest.mark.parametrize("k", [1, 2, 3])
+@torch.no_grad()
+def test_fused_top_few_equal_mm_topk(catalog: dict[torch.dtype, torch.Tensor], k: int) -> None:
+    """Greedy generation retrieves k = 1 (a one-lane tl.topk failed to compile on the
+    H200 before the kernels kept at least two lanes)."""
+    from streamrec.models.retrieval import fused_retrieve
+
+    table = catalog[torch.bfloat16]
+    users, exclude = users_and_exclusions(table, 64, seed=k)
+    assert fused_retrieval_enabled("auto", users, table, k, FIRST)
+    assert_top_k(users, table, exclude, fused_retrieve(users, table, exclude, k, FIRST), k)
+
+
+@pytest.mark.gpu
+@CUDA_ONLY
 @torch.no_grad()
 def test_fused_orders_ties_by_index_through_compaction() -> None:
     """3,000 copies of user 0's direction (one chunk's region overflows and is compacted)
