@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from bench.h200_common import Batch, build_model, ceilings, graphed, pct, time_ms
+from bench.h200_common import Batch, build_model, ceilings, graphed, kernel_profile, pct, time_ms
 from bench.reference_config import HSTU_8L, SPEEDUP_HISTORY_LEN, ReferenceWorkload
 from streamrec.cache.capacity import capacity_report
 from streamrec.cache.kv_cache import KVCacheConfig
@@ -326,29 +326,6 @@ def step_rows(setup: Setup) -> list[dict[str, Any]]:
         rows.append({"op": "step_kernels", "batch": setup.batches[0], "variant": name,
                      "speedup_vs_bf16": None, "kernels": top})  # fmt: skip
     return rows
-
-
-def kernel_profile(step: Callable[[], Any], steps: int = 5, top: int = 12) -> list[dict[str, Any]]:
-    """GPU time per kernel name in one eager step (no graph: the profiler names each
-    launch), the ``top`` largest: the profile behind a speedup or a slowdown."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.inference_mode():
-        step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-    totals: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals.setdefault(event.name[:90], [0.0, 0])
-            entry[0] += event.device_time
-            entry[1] += 1
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
-    return [{"kernel": name, "us": round(t / steps, 1), "calls": int(n) // steps}
-            for name, (t, n) in ranked]  # fmt: skip
 
 
 # ------------------------------------------------------------------ main

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from bench.reference_config import ReferenceWorkload as Workload
 from streamrec.cache.block_pool import NoRoom
@@ -64,6 +65,27 @@ def graphed(fn: Step) -> Step:
     with torch.cuda.graph(graph, stream=stream):  # captured where it warmed up (AOTI runners)
         fn()
     return graph.replay
+
+
+def kernel_profile(step: Callable[[], Any], steps: int = 5, top: int = 12) -> list[dict[str, Any]]:
+    """GPU time per kernel name in one eager step (no graph: the profiler names each
+    launch), the ``top`` largest: the profile behind a speedup or a slowdown."""
+    with torch.inference_mode():
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name[:90], [0.0, 0])
+            entry[0] += event.device_time
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"kernel": name, "us": round(t / steps, 1), "calls": int(n) // steps}
+            for name, (t, n) in ranked]  # fmt: skip
 
 
 def ceilings(quick: bool) -> dict[str, float]:

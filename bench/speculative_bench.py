@@ -30,12 +30,14 @@ import statistics
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench._report import RESULTS_DIR, print_table, write_results
+from bench.h200_common import kernel_profile
 from bench.reference_config import BATCH_SIZES, HSTU_8L, ReferenceWorkload
 from streamrec.cache.kv_cache import KVCache
 from streamrec.models.config import HSTUConfig
@@ -168,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--small", action="store_true", help="small model on the CPU")
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="GPU time per kernel of both generators at the largest k and batch (CUDA)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="also copy the JSON here")
     args = parser.parse_args(argv)
     small = args.small or not torch.cuda.is_available()
@@ -192,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         alpha = per_position(rates[k], args.gamma)
         for batch in args.batches:
             try:
+                profile = (args.profile and device == "cuda" and k == max(args.ks)
+                           and batch == max(args.batches))  # fmt: skip
                 rows.extend(_one(target, draft, geo_t, geo_d, cache, user_emb, histories, cfg,
-                                 batch, alpha, graphs, args.iters, device))  # fmt: skip
+                                 batch, alpha, graphs, args.iters, device, profile))  # fmt: skip
             except Exception:  # one failing configuration must not lose the others
                 traceback.print_exc()
                 rows.append({"k": k, "batch": batch, "mode": "error"})
@@ -222,7 +230,7 @@ def _one(
     target: HSTU, draft: HSTU, geo_t: ModelGeometry, geo_d: ModelGeometry, cache: KVCache,
     user_emb: torch.Tensor,
     histories: list[np.ndarray], cfg: GenerationConfig, batch: int, alpha: float, graphs: bool,
-    iters: int, device: str,
+    iters: int, device: str, profile: bool = False,
 ) -> list[dict[str, object]]:  # fmt: skip
     users = [str(b) for b in range(batch)]
     tables, lens = cache.batch_tables(users)
@@ -251,6 +259,15 @@ def _one(
         )
         got = spec.generate(spec_inputs)
         identical = float((got.items == reference.items).all(axis=1).mean())
+        if profile and mode == "forced":  # GPU time per kernel of the whole generation
+            kernels = {
+                "autoregressive": kernel_profile(partial(ar.generate, inputs), steps=2),
+                "speculative": kernel_profile(partial(spec.generate, spec_inputs), steps=2),
+            }
+            for name, top in kernels.items():
+                print(f"kernels {name} k={cfg.k} batch {batch} (us per generation, calls):")
+                for e in top:
+                    print(f"  {e['us']:9.1f} {e['calls']:4d}  {e['kernel']}")
         spec_ms, rounds, accepted = _time(spec, spec_inputs, iters, device == "cuda")
         tokens = batch * cfg.k
         out.append({

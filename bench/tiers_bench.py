@@ -91,7 +91,7 @@ H200 = Shape(
     items=20_000_000, dim=HSTU_8L.d_model, layers=HSTU_8L.num_layers, heads=HSTU_8L.num_heads,
     head_dim=HSTU_8L.head_dim, max_seq_len=HSTU_8L.max_seq_len, history=SPEEDUP_HISTORY_LEN,
     batch=64, cands=HSTU_8L.num_candidates, retrievable=1_000_000,
-    slot_fractions=(0.02, 0.05, 0.1, 0.2), disk_users=12, steps=30,
+    slot_fractions=(0.02, 0.1, 0.2, 0.4), disk_users=12, steps=30,
 )  # fmt: skip
 SMOKE = Shape(
     items=20_000, dim=64, layers=2, heads=2, head_dim=32, max_seq_len=128, history=64,
@@ -410,6 +410,21 @@ def disk_section(shape: Shape, device: torch.device, directory: Path, rows: Rows
                 finally:
                     os.close(fd)
 
+    def prefetched_hit(u: str) -> tuple[float, float]:
+        to_disk(u)
+        tiers.prefetch([u])
+        read = disk._entries[u].read
+        assert read is not None
+        read.header.result()
+        for chunk in read.chunks:
+            chunk.result()  # the event arrived ahead of its step: the read is done
+        return timed(work(u, False))
+
+    def cold_hit(u: str) -> tuple[float, float]:
+        to_disk(u)
+        cold()
+        return timed(work(u, False))  # read inside the step, from the device
+
     for u in users:
         timed(work(u, True))  # every user built by a prefill of its history
     user_bytes = [host.cache.config.bytes_per_block * len(cache.pool.block_table(u)) for u in users]
@@ -434,19 +449,12 @@ def disk_section(shape: Shape, device: torch.device, directory: Path, rows: Rows
     by_kind: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
     for i, u in enumerate([*users[:2], *users]):  # the first two rounds warm kernels up
         # Repeat what can be repeated: the first call after other work runs cold.
+        # Each kind its best of three, as the GPU hit (one sample of a kind that follows
+        # other work, as the first run did, runs cold: 15.7 against 8.3 ms).
         got = {"gpu": min(timed(work(u, False)) for _ in range(3))}
-        to_disk(u)
-        tiers.prefetch([u])
-        read = disk._entries[u].read
-        assert read is not None
-        read.header.result()
-        for chunk in read.chunks:
-            chunk.result()  # the event arrived ahead of its step: the read is done
-        got["prefetched"] = timed(work(u, False))
-        to_disk(u)
-        cold()
-        got["cold"] = timed(work(u, False))  # read inside the step, from the device
-        got["miss"] = min(timed(work(u, True)) for _ in range(2))  # rebuilt by a prefill
+        got["prefetched"] = min(prefetched_hit(u) for _ in range(3))
+        got["cold"] = min(cold_hit(u) for _ in range(3))  # read inside the step
+        got["miss"] = min(timed(work(u, True)) for _ in range(3))  # rebuilt by a prefill
         if i >= 2:
             for key, ms in got.items():
                 by_kind[key].append(ms)
