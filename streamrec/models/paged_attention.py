@@ -368,6 +368,9 @@ if triton is not None:
     ):
         """One new token x one head x one key range: cached keys, then (range 0) the
         user's new keys up to the token itself."""
+        # Inductor (AOTI) passes Python floats as fp64 scalars: fp32 once, not per key.
+        scale = tl.cast(scale, tl.float32)
+        inv_divisor = tl.cast(inv_divisor, tl.float32)
         g = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         split = tl.program_id(2)

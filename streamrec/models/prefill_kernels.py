@@ -382,9 +382,9 @@ if triton is not None:
             if KV_FP8:  # the head's power-of-two scales: K into the scores, V into 1/N
                 s_half = (half_scale * tl.load(kv_scale_ptr + h)).to(tl.float32)
                 s_out = (inv_divisor * tl.load(kv_scale_ptr + H + h)).to(tl.float32)
-            else:
-                s_half = half_scale
-                s_out = inv_divisor
+            else:  # (Inductor passes Python floats as fp64: one fp32 cast, not per tile)
+                s_half = tl.cast(half_scale, tl.float32)
+                s_out = tl.cast(inv_divisor, tl.float32)
             acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
             for n0 in range(0, m0, BLOCK_N):  # below the diagonal: no mask
                 acc = _prefill_tile(
@@ -439,6 +439,9 @@ if triton is not None:
         ATOMIC: tl.constexpr,
     ):
         """A tile of one user's candidates x one head x one key range (+ self in split 0)."""
+        # Inductor (AOTI) passes Python floats as fp64 scalars: fp32 once, not per element.
+        half_scale = tl.cast(half_scale, tl.float32)
+        inv_divisor = tl.cast(inv_divisor, tl.float32)
         pid = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
