@@ -135,13 +135,13 @@ for stage in "$@"; do
       python3 -m bench.retrieval_bench --out "$OUT" 2>&1 | tail -25 ;;
     demo)  # issue 17: the demo on the GPU (eager + CUDA graphs), closing table in demo_eager.txt
       python3 -m streamrec.tools.cli demo --synthetic 2>&1 | tee "$OUT/demo_eager.txt" | tail -22 ;;
-    demo-aoti)  # issue 17 item 11: the demo's model exported, then served with require_aoti
+    demo-aoti)  # issue 17 item 11: the demo's model exported, then served with model.backend = aoti
       model=$(ls -d .streamrec-cache/demo/synthetic-*/ 2>/dev/null | grep -v partial | head -1)
       [ -n "$model" ] || python3 -m streamrec.tools.cli demo --synthetic --num-events 200 \
         --unpaced-events 0 > /dev/null 2>&1
       model=$(ls -d .streamrec-cache/demo/synthetic-*/ | grep -v partial | head -1)
       python3 -m streamrec.tools.cli export --model "$model" --device cuda 2>&1 | tail -4
-      STREAMREC_MODEL__REQUIRE_AOTI=true python3 -m streamrec.tools.cli demo --synthetic 2>&1 \
+      STREAMREC_MODEL__BACKEND=aoti python3 -m streamrec.tools.cli demo --synthetic 2>&1 \
         | tee "$OUT/demo_aoti.txt" | tail -22 ;;
     tiers)  # issue 20: embedding cache, retrievable set, disk KV tier (~2.5 min)
       python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/cache/test_embedding_cache.py \

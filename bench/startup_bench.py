@@ -55,7 +55,7 @@ def model_config(model_dir: Path, cache_dir: Path, backend: str) -> ModelConfig:
         model_dir=model_dir,
         aoti_cache_dir=cache_dir if aoti else cache_dir / "none",
         device="cuda",
-        require_aoti=aoti,
+        backend="aoti" if aoti else "eager",
     )
 
 

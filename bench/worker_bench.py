@@ -437,7 +437,7 @@ def aoti_loaded_model(w: ReferenceWorkload, device: str) -> LoadedModel:
     export_model(model_dir, device, AOTI_CACHE_DIR, config=ExportConfig(), jobs=len(ENTRY_POINTS))
     checkpoint = load_checkpoint(model_dir, device)
     cfg = wc.ModelConfig(
-        model_dir=model_dir, aoti_cache_dir=AOTI_CACHE_DIR, device=device, require_aoti=True
+        model_dir=model_dir, aoti_cache_dir=AOTI_CACHE_DIR, device=device, backend="aoti"
     )
     scoring = ScoringConfig(num_candidates=w.num_candidates, top_k=20)
     model, backend = load_serving_model(cfg, checkpoint, torch.device(device), scoring)

@@ -472,7 +472,7 @@ def open_aoti_model(
 
     Raises ``ExportError`` when no valid package with ``config.entry_points`` exists and
     ``compile_if_missing`` is false (the worker then falls back to eager, or stops under
-    ``require_aoti``), or when compiling / loading fails. The returned model holds a lease
+    ``model.backend = "aoti"``), or when compiling / loading fails. The returned model holds a lease
     on its package, so the cache does not evict it while it serves.
     """
     config = config or ExportConfig()

@@ -58,7 +58,7 @@ TP = tuple[str, int]
 class EngineConfig:
     model_name: str
     model_version: str
-    backend: str = "eager"  # "aoti", "eager", ...: reported, never branched on
+    backend: str = "eager"  # "aoti", "eager", "eager_fallback": reported, never branched on
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     store_retry_initial_s: float = 0.05
     store_retry_max_s: float = 2.0

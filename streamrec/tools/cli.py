@@ -356,7 +356,7 @@ def _build_demo(parser: argparse.ArgumentParser) -> None:
         "model.model_dir": "default: the demo model, trained once into .streamrec-cache/demo/",
         "log.level": f"demo default: {DEMO_DEFAULTS['log.level']}",
     }
-    add_config_flags(parser, ("--model", "--device", "--require-aoti", "--log-level"), shown)
+    add_config_flags(parser, ("--model", "--device", "--backend", "--log-level"), shown)
     parser.set_defaults(handler=_demo)
 
 

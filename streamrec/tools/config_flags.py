@@ -20,6 +20,7 @@ from streamrec.errors import ConfigError
 from streamrec.worker.config import (
     DEVICES,
     ENV_CONFIG_FILE,
+    MODEL_BACKENDS,
     WorkerConfig,
     config_fields,
 )
@@ -70,6 +71,12 @@ SHORTCUTS: Final = {
         Shortcut("--model", "model.model_dir", "DIR", "model directory (`streamrec train`)"),
         Shortcut("--cache-dir", "model.aoti_cache_dir", "DIR", "AOTInductor package cache"),
         Shortcut("--device", "model.device", "{" + ",".join(DEVICES) + "}", "auto = CUDA if any"),
+        Shortcut(
+            "--backend",
+            "model.backend",
+            "{" + ",".join(MODEL_BACKENDS) + "}",
+            "auto = the AOTI package if one matches; aoti = fail without one",
+        ),
         Shortcut("--store", "store.url", "URL", "history store: memory:// or redis://"),
         Shortcut("--http-port", "http.port", "PORT", "/metrics, /healthz, /readyz; 0 = any"),
         Shortcut("--log-format", "log.format", "{auto,json,text}", "auto = text on a terminal"),
@@ -86,7 +93,7 @@ WORKER_FLAGS: Final = (
     "--device",
     "--store",
     "--http-port",
-    "--require-aoti",
+    "--backend",
     "--log-format",
     "--log-level",
 )
@@ -148,13 +155,6 @@ def add_config_flags(
                 f"(config default: {_config_default('topics.playback')},"
                 f"{_config_default('topics.interaction')})",
             )
-        elif flag == "--require-aoti":
-            group.add_argument(
-                flag,
-                action="store_true",
-                default=None,
-                help="model.require_aoti: fail instead of falling back to eager PyTorch",
-            )
         else:
             s = SHORTCUTS[flag]
             default = shown.get(s.key) or f"config default: {_config_default(s.key)}"
@@ -191,8 +191,6 @@ def config_overrides(args: argparse.Namespace) -> dict[str, str]:
                 f"--input-topics {topics!r}: expected two names, PLAYBACK,INTERACTION"
             )
         overrides["topics.playback"], overrides["topics.interaction"] = names
-    if getattr(args, "require_aoti", None):
-        overrides["model.require_aoti"] = "true"
     return overrides
 
 

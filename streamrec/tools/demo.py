@@ -11,7 +11,7 @@ users, HR@10 against most-popular, cache hit rate, per-phase p50/p99 and through
 
 The worker's configuration comes from the same layers as ``streamrec run`` (``--config``,
 ``STREAMREC_*``, ``--set``, shortcut flags) above the demo's own defaults, so e.g.
-``STREAMREC_MODEL__REQUIRE_AOTI=true`` with an exported package serves the AOTI path.
+``STREAMREC_MODEL__BACKEND=aoti`` with an exported package serves the AOTI path.
 Only the broker address is the demo's own: it starts the broker.
 """
 
@@ -341,7 +341,7 @@ def _model_line(loaded: LoadedModel, config: WorkerConfig) -> str:
         f"model {loaded.checkpoint.model_name} {loaded.checkpoint.version}: backend "
         f"{loaded.backend} on {loaded.device}"
     )
-    if loaded.backend == "eager":
+    if loaded.backend == "eager_fallback":
         line += (
             f" (no AOTI package in {config.model.aoti_cache_dir}; `streamrec export "
             f"--model {config.model.model_dir}` compiles one)"

@@ -35,6 +35,7 @@ ENV_PREFIX = "STREAMREC_"
 ENV_CONFIG_FILE = "STREAMREC_CONFIG"
 SECRET_MASK = "***"
 DEVICES = ("auto", "cpu", "cuda")  # model.device and every --device flag
+MODEL_BACKENDS = ("auto", "aoti", "eager")  # model.backend
 
 _TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 
@@ -311,7 +312,13 @@ class CacheConfig(Section):
 
 @dataclass(frozen=True)
 class ModelConfig(Section):
-    """Which model to serve and how; ``require_aoti`` turns the eager fallback into an error.
+    """Which model to serve and how.
+
+    ``backend``: ``auto`` serves the AOTI package whose key matches, else the eager module
+    (a warning, and ``streamrec_model_backend{backend="eager_fallback"}``); ``aoti`` makes
+    a missing package a start-up error; ``eager`` serves the eager module and opens no
+    package (on the H200 the fastest worker path at batch 1-64 with CUDA graphs:
+    BENCHMARKS.md, issue 15).
 
     ``cuda_graphs`` (CUDA, either backend) replays extend and rank as CUDA graphs captured
     at start for batch buckets of powers of two, up to ``graph_max_tokens`` new tokens per
@@ -321,7 +328,7 @@ class ModelConfig(Section):
     SECTION: ClassVar[str] = "model"
 
     model_dir: Path = Path(".streamrec-cache/model")
-    require_aoti: bool = False
+    backend: str = "auto"
     aoti_cache_dir: Path = Path(".streamrec-cache/aoti")
     device: str = "auto"
     cuda_graphs: bool = True
@@ -331,6 +338,7 @@ class ModelConfig(Section):
     def _validate(self) -> None:
         self._require(str(self.model_dir) != "", "model_dir", "must not be empty")
         self._one_of("device", DEVICES)
+        self._one_of("backend", MODEL_BACKENDS)
         self._one_of("weight_dtype", WEIGHT_DTYPES)
         self._positive("graph_max_tokens")
 

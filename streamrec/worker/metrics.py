@@ -51,7 +51,7 @@ _LATENCY_BUCKETS: Final = (
     30.0,
 )
 _BATCH_BUCKETS: Final = tuple(float(2**i) for i in range(11))
-BACKENDS: Final = ("aoti", "eager")
+BACKENDS: Final = ("aoti", "eager", "eager_fallback")  # model_loader's names
 
 
 class WorkerMetrics:

@@ -2,7 +2,7 @@
 
 ``load_serving_model`` picks the backend: the AOTInductor package matching the model
 version in ``model_cfg.aoti_cache_dir`` when there is one, else the eager module (or an
-error under ``require_aoti``). Both satisfy ``ServingModel``; the engine, the metrics and
+error under ``model.backend = "aoti"``). Both satisfy ``ServingModel``; the engine, the metrics and
 the logs only ever see the backend's name. ``graphed_serving_model`` then wraps either
 backend in CUDA graphs on a GPU: the AOTI package replayed per bucket is the fastest path
 (README, "Backends"), the eager module in graphs the fallback.
@@ -36,7 +36,7 @@ class LoadedModel:
 
     checkpoint: Checkpoint
     model: ServingModel
-    backend: str  # "aoti" or "eager"
+    backend: str  # "aoti", "eager", or "eager_fallback" (auto found no package)
     device: torch.device
     # Set when the item table stays on the host (``cache.embedding_cache_rows`` smaller
     # than the table): the model reads its item rows from the embedding cache, bound by
@@ -76,8 +76,15 @@ def load_serving_model(
     the worker never compiles at start: ``streamrec export`` (an init container, an image
     build step) fills the cache ahead of time. Without a matching package the worker
     serves eager and says so in the log and in ``streamrec_model_backend``, unless
-    ``require_aoti`` makes that a start-up error.
+    ``model.backend = "aoti"`` makes that a start-up error, and ``"eager"`` skips the
+    package cache.
     """
+    if model_cfg.backend == "eager":
+        log.info(
+            "serving the eager model (model.backend = eager)",
+            extra={"backend": "eager", "model_version": checkpoint.version, "device": str(device)},
+        )
+        return checkpoint.model, "eager"
     try:
         model = open_aoti_model(
             checkpoint.path,
@@ -89,16 +96,19 @@ def load_serving_model(
             optional=("extend_scratch",),  # generation, when exported with it
         )
     except ExportError as exc:
-        if model_cfg.require_aoti:
+        if model_cfg.backend == "aoti":
             raise ModelError(
-                f"model.require_aoti is set but no usable AOTI package for model version "
+                f"model.backend is 'aoti' but there is no usable AOTI package for model version "
                 f"{checkpoint.version} in {str(model_cfg.aoti_cache_dir)!r}: {exc}"
             ) from exc
         log.warning(
             "no AOTI package, serving the eager model (run `streamrec export` to compile)",
-            extra={"backend": "eager", "model_version": checkpoint.version, "reason": str(exc)},
-        )
-        return checkpoint.model, "eager"
+            extra={
+                "backend": "eager_fallback", "model_version": checkpoint.version,
+                "reason": str(exc),
+            },
+        )  # fmt: skip
+        return checkpoint.model, "eager_fallback"
     log.info(
         "serving the AOTI package",
         extra={"backend": "aoti", "model_version": checkpoint.version, "device": str(device)},
@@ -118,7 +128,7 @@ def load_model(
     With ``embedding_cache_rows`` smaller than the item table the table never reaches the
     device: the weights load on the host, the table is memory-mapped, and the rest of the
     model moves to the device. An AOTI package carries the whole table, so that model is
-    served eagerly (an error under ``require_aoti``).
+    served eagerly (an error under ``model.backend = "aoti"``).
     """
     device = resolve_device(model_cfg.device)
     precision = ServingPrecision(kv_dtype, model_cfg.weight_dtype)
@@ -134,11 +144,11 @@ def load_model(
         checkpoint.model.to(device)
         model, backend = load_serving_model(model_cfg, checkpoint, device, scoring, precision)
         return LoadedModel(checkpoint=checkpoint, model=model, backend=backend, device=device)
-    if model_cfg.require_aoti:
+    if model_cfg.backend == "aoti":
         raise ModelError(
             f"cache.embedding_cache_rows={embedding_cache_rows} keeps the item table of "
-            f"{hstu.num_items} rows on the host, which an AOTI package cannot: unset "
-            "model.require_aoti"
+            f"{hstu.num_items} rows on the host, which an AOTI package cannot: set "
+            "model.backend to 'auto' or 'eager'"
         )
     table = load_item_table(checkpoint.path, hstu.torch_dtype)  # [V, D] host
     placeholder = torch.empty((0, hstu.d_model), dtype=hstu.torch_dtype, device=device)

@@ -28,7 +28,11 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 SCHEMAS = Path(__file__).parent / "schemas"
-OVERLAYS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu"}
+OVERLAYS = {
+    "base": K8S / "base",
+    "gpu": K8S / "overlays" / "gpu",
+    "gpu-aoti": K8S / "overlays" / "gpu-aoti",
+}
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 CRD_SCHEMAS = {
     "ScaledObject": "scaledobject.json",
@@ -233,24 +237,41 @@ def test_mounts_and_selectors_resolve(rendered: list[Resource]) -> None:
     assert pod["serviceAccountName"] == only(rendered, "ServiceAccount")["metadata"]["name"]
 
 
-def test_gpu_overlay_requests_one_gpu_and_keeps_the_aoti_cache(gpu: list[Resource]) -> None:
-    statefulset = only(gpu, "StatefulSet")
-    pod = statefulset["spec"]["template"]["spec"]
-    for container in pod["initContainers"] + pod["containers"]:
-        resources = container["resources"]
-        assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1
+def _requests_one_gpu(resources: list[Resource]) -> dict[str, Any]:
+    pod = only(resources, "StatefulSet")["spec"]["template"]["spec"]
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        limits = container["resources"]
+        assert limits["requests"]["nvidia.com/gpu"] == limits["limits"]["nvidia.com/gpu"] == 1
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
         "tolerations"
     ]
     assert pod["nodeSelector"]
+    return dict(pod)
+
+
+def test_gpu_overlay_serves_eager_from_cuda_graphs(gpu: list[Resource]) -> None:
+    # The fastest worker path measured on the H200 (BENCHMARKS.md, issue 15): no package
+    # to compile, so no init container and no package volume.
+    pod = _requests_one_gpu(gpu)
+    assert "initContainers" not in pod
+    assert "volumeClaimTemplates" not in only(gpu, "StatefulSet")["spec"]
+    environ = pod_environ(worker(gpu))
+    assert environ["STREAMREC_MODEL__DEVICE"] == "cuda"
+    assert environ["STREAMREC_MODEL__BACKEND"] == "eager"
+    assert environ["STREAMREC_MODEL__CUDA_GRAPHS"] == "true"
+
+
+def test_gpu_aoti_overlay_compiles_and_requires_the_package() -> None:
+    rendered = Kustomization(OVERLAYS["gpu-aoti"]).render()
+    pod = _requests_one_gpu(rendered)
+    statefulset = only(rendered, "StatefulSet")
     assert "aoti-cache" not in {v["name"] for v in pod["volumes"]}
     assert [t["metadata"]["name"] for t in statefulset["spec"]["volumeClaimTemplates"]] == [
         "aoti-cache"
     ]
-    environ = pod_environ(worker(gpu))
-    assert environ["STREAMREC_MODEL__DEVICE"] == "cuda"
-    assert environ["STREAMREC_MODEL__REQUIRE_AOTI"] == "true"
-    assert environ["STREAMREC_MODEL__CUDA_GRAPHS"] == "true"  # AOTI in graphs: the fastest
+    environ = pod_environ(worker(rendered))
+    assert environ["STREAMREC_MODEL__BACKEND"] == "aoti"
+    assert environ["STREAMREC_MODEL__CUDA_GRAPHS"] == "true"  # AOTI in graphs
     assert pod["initContainers"][0]["args"][0] == "export"
 
 

@@ -128,7 +128,8 @@ def test_config_show_json_applies_flags(
             "pb,ia",
             "--dlq-topic",
             "dead",
-            "--require-aoti",
+            "--backend",
+            "aoti",
             "--set",
             "cache.block_size=32",
         ]
@@ -139,7 +140,7 @@ def test_config_show_json_applies_flags(
     assert shown["group"]["group_id"] == "from-env"
     assert (shown["topics"]["playback"], shown["topics"]["interaction"]) == ("pb", "ia")
     assert shown["topics"]["dead_letter"] == "dead"
-    assert shown["model"]["require_aoti"] is True
+    assert shown["model"]["backend"] == "aoti"
     assert shown["cache"]["block_size"] == 32
 
 

@@ -140,11 +140,11 @@ def test_demo_on_movielens_shows_titles_the_claim_and_honours_the_config_layers(
                    "key_mismatch 1", "(p50/p99 ms)"):  # fmt: skip
         assert needle in out, needle
 
-    # The model is kept: a second run reuses it, and STREAMREC_MODEL__REQUIRE_AOTI reaches
+    # The model is kept: a second run reuses it, and STREAMREC_MODEL__BACKEND reaches
     # the loader (no package was exported, so that is a one-line start-up error).
-    monkeypatch.setenv("STREAMREC_MODEL__REQUIRE_AOTI", "true")
+    monkeypatch.setenv("STREAMREC_MODEL__BACKEND", "aoti")
     assert main(argv) == 1
     captured = capsys.readouterr()
     assert "training the demo model" not in captured.out
-    assert captured.err.startswith("streamrec demo: error: model.require_aoti is set")
+    assert captured.err.startswith("streamrec demo: error: model.backend is 'aoti'")
     assert captured.err.count("\n") == 1

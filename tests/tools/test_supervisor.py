@@ -131,13 +131,13 @@ def test_a_child_reads_back_exactly_its_config_and_nothing_of_the_parents(
     file.write_text('[kafka]\nbootstrap_servers = "k:9092"\n[cache]\nkv_budget_fraction = 0.25\n')
     parent = {"STREAMREC_CONFIG": str(file), "STREAMREC_STORE__URL": "redis://:pw@r:6379/0",
               "STREAMREC_KAFKA__SASL_USERNAME": "", "PATH": "/bin"}  # fmt: skip
-    config = load_config(None, environ=parent, overrides={"model.require_aoti": "true"})
+    config = load_config(None, environ=parent, overrides={"model.backend": "aoti"})
     spec = child_specs(config, [(1, "1")], 0, "h")[0]
     env = spec.environ(parent | {"STREAMREC_BOGUS": "x"})
     assert env["PATH"] == "/bin" and "STREAMREC_BOGUS" not in env and "STREAMREC_CONFIG" not in env
     assert load_config(None, environ=env) == spec.config
     assert spec.config.store.url == "redis://:pw@r:6379/0"  # secrets travel, unmasked
-    assert spec.config.cache.kv_budget_fraction == 0.25 and spec.config.model.require_aoti
+    assert spec.config.cache.kv_budget_fraction == 0.25 and spec.config.model.backend == "aoti"
 
 
 # ------------------------------------------------------------------ policy (stand-in children)

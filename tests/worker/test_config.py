@@ -93,14 +93,14 @@ def test_every_field_reachable_from_env_and_overrides() -> None:
 
 def test_env_values_are_parsed_by_field_type() -> None:
     environ = {
-        "STREAMREC_MODEL__REQUIRE_AOTI": "yes",
+        "STREAMREC_MODEL__BACKEND": "aoti",
         "STREAMREC_BATCHING__MAX_WAIT_MS": "2.5",
         "STREAMREC_CACHE__HOST_TIER_BYTES": "2_000_000",
         "STREAMREC_MODEL__MODEL_DIR": "/models/x",
         "STREAMREC_GROUP__GROUP_INSTANCE_ID": "worker-0",
     }
     config = load_config(environ=environ)
-    assert config.model.require_aoti is True
+    assert config.model.backend == "aoti"
     assert config.batching.max_wait_ms == 2.5
     assert config.cache.host_tier_bytes == 2_000_000
     assert config.model.model_dir == Path("/models/x")
@@ -121,9 +121,9 @@ def test_toml_int_accepted_for_float_field_and_str_for_path(tmp_path: Path) -> N
         ("toml", "[kafka]\nbootstrap_servers = 'nohost'\n", ["bootstrap_servers", "'nohost'"]),
         ("toml", "[http]\nport = '80'\n", ["http.port", "'80'", "integer"]),
         ("toml", "[http]\nport = 70000\n", ["http.port", "70000"]),
-        ("toml", "[model]\nrequire_aoti = 1\n", ["model.require_aoti", "1", "boolean"]),
+        ("toml", "[model]\nbackend = 1\n", ["model.backend", "1", "string"]),
         ("env", {"STREAMREC_HTTP__PORT": "eighty"}, ["STREAMREC_HTTP__PORT", "'eighty'"]),
-        ("env", {"STREAMREC_MODEL__REQUIRE_AOTI": "maybe"}, ["require_aoti", "'maybe'"]),
+        ("env", {"STREAMREC_MODEL__BACKEND": "maybe"}, ["backend", "'maybe'"]),
         ("env", {"STREAMREC_BATCHING__MAX_WAIT_MS": "-1"}, ["batching.max_wait_ms", "-1.0"]),
         ("env", {"STREAMREC_TOPICS__OUTPUT_FORMAT": "avro"}, ["topics.output_format", "'avro'"]),
         ("env", {"STREAMREC_MODEL__DEVICE": "tpu"}, ["model.device", "'tpu'"]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.errors import ConfigError, ModelError
 from streamrec.models.aoti_runtime import AOTIModel, open_aoti_model
 from streamrec.models.checkpoint import load_checkpoint
+from streamrec.models.hstu import HSTU
 from streamrec.models.quantization import model_precision
 from streamrec.models.serving_precision import ServingPrecision
 from streamrec.pipeline.scoring_config import ScoringConfig
@@ -34,9 +36,7 @@ def test_serves_aoti_when_the_package_exists(model_dir: Path) -> None:
     # Compiled by the models tests earlier in the session (same deterministic model).
     open_aoti_model(model_dir, "cpu", CACHE_DIR, compile_if_missing=True, config=EXPORT)
 
-    cfg = ModelConfig(
-        model_dir=model_dir, aoti_cache_dir=CACHE_DIR, device="cpu", require_aoti=True
-    )
+    cfg = ModelConfig(model_dir=model_dir, aoti_cache_dir=CACHE_DIR, device="cpu", backend="aoti")
     loaded = load_model(cfg)
     assert loaded.backend == "aoti"
     assert isinstance(loaded.model, AOTIModel)
@@ -56,17 +56,26 @@ def test_falls_back_to_eager_with_a_warning(
     cfg = ModelConfig(model_dir=model_dir, aoti_cache_dir=tmp_path / "empty", device="cpu")
     with caplog.at_level(logging.WARNING):
         loaded = load_model(cfg)
-    assert loaded.backend == "eager"
+    assert loaded.backend == "eager_fallback"  # the metric that the fallback alert reads
     assert any("serving the eager model" in r.getMessage() for r in caplog.records)
 
 
-def test_require_aoti_without_a_package_is_a_start_up_error(
+def test_backend_eager_opens_no_package(model_dir: Path, tmp_path: Path) -> None:
+    """With an AOTI package in the cache, ``backend = "eager"`` still serves the module."""
+    open_aoti_model(model_dir, "cpu", CACHE_DIR, compile_if_missing=True, config=EXPORT)
+    cfg = ModelConfig(model_dir=model_dir, aoti_cache_dir=CACHE_DIR, device="cpu")
+    assert load_model(dataclasses.replace(cfg, backend="aoti")).backend == "aoti"
+    loaded = load_model(dataclasses.replace(cfg, backend="eager"))
+    assert loaded.backend == "eager" and isinstance(loaded.model, HSTU)
+
+
+def test_backend_aoti_without_a_package_is_a_start_up_error(
     model_dir: Path, tmp_path: Path
 ) -> None:
     cfg = ModelConfig(
-        model_dir=model_dir, aoti_cache_dir=tmp_path / "empty", device="cpu", require_aoti=True
+        model_dir=model_dir, aoti_cache_dir=tmp_path / "empty", device="cpu", backend="aoti"
     )
-    with pytest.raises(ModelError, match="require_aoti"):
+    with pytest.raises(ModelError, match=r"model\.backend is 'aoti'"):
         load_model(cfg)
 
 

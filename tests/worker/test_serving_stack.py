@@ -60,8 +60,8 @@ def test_embedding_cache_rows_covering_the_table_change_nothing(
 def test_embedding_cache_misconfiguration_is_a_start_up_error(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    with pytest.raises(ModelError, match="require_aoti"):
-        load_model(_cfg(model_dir, tmp_path, require_aoti=True), SCORING, embedding_cache_rows=20)
+    with pytest.raises(ModelError, match=r"model\.backend"):
+        load_model(_cfg(model_dir, tmp_path, backend="aoti"), SCORING, embedding_cache_rows=20)
     loaded = load_model(_cfg(model_dir, tmp_path), SCORING, embedding_cache_rows=20)
     small = CacheConfig(embedding_cache_rows=20, retrievable_items=5)
     with pytest.raises(ConfigError, match=r"retrievable_items = 5 .* fewer than the 8"):
