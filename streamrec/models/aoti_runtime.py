@@ -47,7 +47,7 @@ from streamrec.models.aoti_export import (
 )
 from streamrec.models.checkpoint import Checkpoint, load_checkpoint
 from streamrec.models.config import DTYPES, HSTUConfig
-from streamrec.models.inductor_setup import configure_inductor
+from streamrec.models.inductor_setup import configure_inductor, cpu_isa_probe_skipped
 from streamrec.models.package_cache import PackageCache, PackageFiles, PackageLease
 from streamrec.models.quantization import apply_precision, kv_storage_dtype, model_precision
 from streamrec.models.serving_precision import ServingPrecision
@@ -437,9 +437,10 @@ def load_package(
     for name in names:
         path = package.files[name]
         try:
-            runner = torch._inductor.aoti_load_package(
-                str(path), run_single_threaded=True, device_index=index
-            )
+            with cpu_isa_probe_skipped(device):
+                runner = torch._inductor.aoti_load_package(
+                    str(path), run_single_threaded=True, device_index=index
+                )
             _bind_weights(runner, path, weights, specs, device)
         except ExportError:
             raise

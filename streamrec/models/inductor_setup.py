@@ -11,7 +11,10 @@ produces ``.so`` files that segfault in ``aoti_load_package``.
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+
+import torch
 
 SYSTEM_CXX = Path("/usr/bin/g++")
 # Set to a compiler path to override the choice below (e.g. clang++ on a dev box).
@@ -37,3 +40,22 @@ def configure_inductor(cache_dir: Path) -> str:
         os.environ["CXX"] = cxx
         inductor_config.cpp.cxx = (None, cxx)
     return str(inductor_config.cpp.cxx[1])
+
+
+def cpu_isa_probe_skipped(device: torch.device) -> AbstractContextManager[object]:
+    """Around ``aoti_load_package`` of a CUDA package: trust /proc/cpuinfo for the CPU's
+    vector ISA instead of compiling and ``dlopen``-ing one C++ probe per ISA.
+
+    The loader's first call in a process asks Inductor for the CPU ISA (``pick_vec_isa``)
+    only to compare it with the package's metadata and log a mismatch; finding it
+    compiles and loads a probe per ISA in subprocesses: 41.8 s of the HSTU-8L worker's
+    49.6 s start on the H200 (BENCHMARKS.md, issue 15), 9.3 s on the 2-core CPU machine
+    (1.4 s trusted, the same ISA found). A CUDA package's kernels never run on the CPU's
+    vector units. CPU packages keep the probe: their compiled code does, and the answer
+    is cached for the rest of the process, whose later CPU compiles use it.
+    """
+    if device.type != "cuda":
+        return nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch({"cpp.vec_isa_ok": True})
