@@ -354,8 +354,10 @@ def worker_config(
         batching=BatcherConfig(max_batch_users=ns.max_batch_users, max_wait_ms=ns.max_wait_ms),
         scoring=ScoringConfig(num_candidates=w.num_candidates, top_k=20),
         cache=wc.CacheConfig(kv_budget_bytes=kv, block_size=BLOCK_SIZE, host_tier_bytes=0),
-        model=wc.ModelConfig(
-            model_dir=model_dir_for(w, ns.models_dir), cuda_graphs=not ns.no_cuda_graphs
+        model=wc.ModelConfig(  # the gpu overlay's path: eager + CUDA graphs
+            model_dir=model_dir_for(w, ns.models_dir),
+            backend="eager",
+            cuda_graphs=not ns.no_cuda_graphs,
         ),
         store=wc.StoreConfig(url=ns.store_url),
         http=wc.HttpConfig(host="127.0.0.1", port=port),

@@ -18,6 +18,10 @@ current call does not use. That is O(rows of the call) per call; an exact LRU wo
 O(slots) selection per fill (~10 ms for 2M slots). All lookups and all model calls that
 read ``rows`` must run on one CUDA stream: a later call may overwrite a slot that an earlier
 call's kernels read, and only stream order makes that safe.
+
+Rows can be pinned (``pin``): the sweep never takes their slots. The item catalogue pins
+the retrievable set's members, so ranking candidates (which retrieval draws from that set)
+never miss and their slots are known on the device without asking the host.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class EmbeddingCache:
         self._item_of = np.full(slots, -1, dtype=np.int64)  # slot -> item
         self._ref = np.zeros(slots, dtype=bool)  # CLOCK reference bit
         self._stamp = np.full(slots, -1, dtype=np.int64)  # clock of the call that last used it
+        self._pinned = np.zeros(slots, dtype=bool)  # never evicted (``pin``)
         self._hand = 0
         self._resident = 0
         if on_cuda:  # the zero fill must land before another stream's first copy
@@ -114,6 +119,33 @@ class EmbeddingCache:
             self._fill(missing)
             slots[~hit] = self._slot_of[flat[~hit]]
         return slots.reshape(idx.shape)
+
+    def pin(self, items: np.ndarray) -> np.ndarray:
+        """Load ``items`` (distinct rows) and keep them resident until ``unpin``; returns
+        their slots. A table that lives on the device has nothing to pin (identity)."""
+        idx = np.asarray(items, dtype=np.int64).reshape(-1)
+        if self.fully_resident:
+            return self.slots(idx)
+        free = self.num_slots - int(np.count_nonzero(self._pinned))
+        if idx.size > free:
+            raise CacheError(
+                f"cannot pin {idx.size} rows: {free} of the {self.num_slots} embedding slots "
+                "are not pinned"
+            )
+        slots = self.slots(idx)
+        self._pinned[slots] = True
+        return slots
+
+    def count_hits(self, n: int) -> None:
+        """Account ``n`` lookups served from pinned slots without ``slots`` (on the device)."""
+        self._lookups += n
+
+    def unpin(self, items: np.ndarray) -> None:
+        """Let the sweep take ``items``' slots again (rows not resident are ignored)."""
+        if self.fully_resident:
+            return
+        slots = self._slot_of[np.asarray(items, dtype=np.int64).reshape(-1)]
+        self._pinned[slots[slots >= 0]] = False
 
     def lookup(self, items: torch.Tensor) -> torch.Tensor:
         """Rows of ``items[...]`` (int64 item indices) as ``[..., D]`` on the device."""
@@ -147,13 +179,17 @@ class EmbeddingCache:
         swept = 0
         while m > 0:
             if swept > 2 * size:
+                pinned = int(np.count_nonzero(self._pinned))
                 raise CacheError(
-                    f"one call needs {m} more embedding slots than the {size} it may evict: "
-                    "raise cache.embedding_cache_rows above the rows of the largest model call"
+                    f"one call needs {m} more embedding slots than the {size - pinned} it may "
+                    f"evict ({pinned} of {size} pinned): raise cache.embedding_cache_rows "
+                    "above the rows of the largest model call (plus cache.retrievable_items "
+                    "when the retrievable set is pinned)"
                 )
             width = min(size, max(2 * m, 1024))
             window = (self._hand + np.arange(width)) % size
             free = ~self._ref[window] & (self._stamp[window] != self._clock)
+            free &= ~self._pinned[window]
             picked = np.flatnonzero(free)[:m]
             end = int(picked[-1]) + 1 if picked.size == m else width
             self._ref[window[:end]] = False  # second chance spent for every slot swept
@@ -195,4 +231,5 @@ class EmbeddingCache:
             copies=self._copies,
             bytes_copied=self._bytes_copied,
             device_bytes=self.rows.nbytes,
+            pinned=0 if self.fully_resident else int(np.count_nonzero(self._pinned)),
         )

@@ -141,6 +141,7 @@ class EmbeddingCacheStats:
     copies: int  # host -> device copy calls (one per model call with misses, or chunk)
     bytes_copied: int  # host -> device bytes for cold rows
     device_bytes: int
+    pinned: int = 0  # rows the sweep may not evict (the retrievable set's members)
 
     @property
     def hits(self) -> int:

@@ -78,7 +78,7 @@ class Scorer:
                 user_emb, pool, to_device(exclude, device)
             )  # [B, pool] each
         else:
-            ret_scores, ret_items = self.catalog.retrieve(user_emb, pool, exclude)
+            ret_scores, ret_items, cand_slots = self.catalog.retrieve(user_emb, pool, exclude)
         mark("retrieve")
         if not cfg.num_candidates:
             out = ScoredUsers(
@@ -90,7 +90,7 @@ class Scorer:
             return out
         tables, lens = self.cache.batch_tables(list(users))  # [B, MB], [B]
         ts = to_device(np.asarray(query_ts, dtype=np.int64), device)  # [B]
-        cands = ret_items if self.catalog is None else self.catalog.candidate_slots(ret_items)
+        cands = ret_items if self.catalog is None else cand_slots
         probs = self.model.rank(
             cands, ts, self.cache.kv, self.cache.ts, tables, lens
         ).float()  # [B, pool, tasks]

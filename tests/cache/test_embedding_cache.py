@@ -50,6 +50,26 @@ def test_embedding_cache_randomised_lookups_always_return_the_right_rows() -> No
     assert sorted(slots.tolist()) == list(range(16))  # 16 distinct items fill every slot
 
 
+def test_embedding_cache_pinned_rows_survive_every_sweep_until_unpinned() -> None:
+    table = _table(rows=60)
+    cache = EmbeddingCache(table, "cpu", num_slots=12)
+    pinned = np.array([3, 7, 11, 20])
+    slots = cache.pin(pinned)
+    for start in range(30, 60, 6):  # 5 calls of 6 other rows: every unpinned slot reused
+        cache.slots(np.arange(start, start + 6))
+    assert np.array_equal(cache.slots(pinned), slots)  # still resident, same slots
+    assert torch.equal(cache.rows[torch.from_numpy(slots)], table[pinned])
+    assert cache.stats().pinned == 4
+    with pytest.raises(CacheError, match="cannot pin 9 rows: 8 of the 12"):
+        cache.pin(np.arange(40, 49))
+    with pytest.raises(CacheError, match="4 of 12 pinned"):
+        cache.slots(np.arange(40, 49))  # one call needs more than the 8 unpinned slots
+    cache.unpin(pinned[:2])
+    cache.slots(np.arange(40, 50))  # 10 rows: the two released slots are taken too
+    assert cache.stats().pinned == 2 and cache.stats().evictions > 0
+    assert np.array_equal(cache.slots(pinned[2:]), slots[2:])
+
+
 def test_embedding_cache_is_the_identity_when_the_table_fits() -> None:
     table = _table()
     cache = EmbeddingCache(table, "cpu", budget_bytes=table.nbytes)

@@ -17,7 +17,7 @@ from streamrec.errors import ConfigError
 from streamrec.models.hstu import HSTU
 from streamrec.models.vocabulary import ItemVocabulary
 from streamrec.pipeline.engine import Engine, EngineConfig
-from streamrec.pipeline.item_catalog import ItemCatalog
+from streamrec.pipeline.item_catalog import MIN_FREE_SLOTS, ItemCatalog
 from streamrec.pipeline.scorer import ScoringConfig
 from tests.pipeline.test_engine import _batches, _model, _process, _stream
 
@@ -43,7 +43,11 @@ def _engine(
 
 
 def _catalog(
-    model: HSTU, slots: int, set_size: int | None = None, device: str = "cpu"
+    model: HSTU,
+    slots: int,
+    set_size: int | None = None,
+    device: str = "cpu",
+    min_free_slots: int = MIN_FREE_SLOTS,
 ) -> ItemCatalog:
     cfg = model.config
     table = model.item_emb.weight.detach().cpu().clone()  # [V, D] host
@@ -51,7 +55,7 @@ def _catalog(
     size = cfg.num_items - first if set_size is None else set_size
     embeddings = EmbeddingCache(table, device, num_slots=slots, staging_rows=64)
     retrievable = RetrievalSet(table, device, size, first, refresh_events=50)
-    return ItemCatalog(embeddings, retrievable)
+    return ItemCatalog(embeddings, retrievable, min_free_slots)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -103,6 +107,45 @@ async def test_embedding_cache_with_a_small_retrievable_set_returns_only_members
                 assert catalog.retrievable._position_of[vocab.index(item)] >= 0
     assert catalog.stats()[1].swapped > 0  # popular items were swapped in while serving
     await engine.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_embedding_cache_pinned_retrievable_set_serves_the_same_lists(device: str) -> None:
+    """Members pinned in the cache, candidate slots from the device table: the same lists
+    as the host lookups, through set refreshes that swap members in and out."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, vocab = _model(num_known=400)
+    model = model.to(device)
+    pinned_model = copy.deepcopy(model)
+    table = model.item_emb.weight.detach().cpu().clone()  # [V, D]: bind() replaces it
+    host = _catalog(model, slots=300, set_size=64, device=device)  # room 236: no pins
+    pinned = _catalog(pinned_model, slots=300, set_size=64, device=device, min_free_slots=128)
+    assert not host.members_pinned and pinned.members_pinned
+    host.bind(model)
+    pinned.bind(pinned_model)
+    plain, fast = _engine(model, vocab, host, device), _engine(pinned_model, vocab, pinned, device)
+    compared = 0
+    for batch in _batches(_stream(300, 20, 400, seed=5), events_per_batch=10):
+        want = await _process(plain, batch)
+        got = await _process(fast, batch)
+        assert want.keys() == got.keys()
+        for user, rec in got.items():
+            ref = want[user]
+            assert rec is not None and ref is not None
+            assert rec.items == ref.items and rec.task_scores == ref.task_scores
+            compared += 1
+    emb, rset = pinned.stats()
+    assert compared > 200 and rset.swapped > 0 and emb.pinned == 64
+    members = pinned.retrievable.members
+    assert pinned._row_slots is not None
+    slots = pinned._row_slots[1:].cpu().numpy()
+    assert np.array_equal(pinned.embeddings._slot_of[members], slots)  # map follows swaps
+    rows = pinned.embeddings.rows[torch.from_numpy(slots).to(device)].cpu()
+    assert torch.equal(rows, table[members])
+    assert emb.hit_rate > host.stats()[0].hit_rate  # candidates never miss
+    await plain.close()
+    await fast.close()
 
 
 def test_embedding_cache_catalog_smaller_than_the_candidate_pool_is_refused() -> None:
