@@ -204,6 +204,15 @@ class PagedUsers:
         self.ts = torch.full((shape.batch,), BASE_TS + 10**9, dtype=torch.int64, device=device)
         self.offsets = torch.arange(shape.batch + 1, dtype=torch.int64, device=device)
 
+    def extend_one(self, model: HSTU, items: torch.Tensor) -> torch.Tensor:
+        """``extend`` of one new event per user (items [B]) and its KV write: user_emb."""
+        c = self.cache
+        k, v, emb = model.extend(
+            items, self.actions, self.ts, self.offsets, c.kv, c.ts, self.tables, self.ext_lens
+        )
+        c.write(self.new_slots, k, v, self.ts)
+        return emb
+
 
 # ------------------------------------------------------------------ embedding section
 
@@ -231,11 +240,7 @@ def embedding_section(shape: Shape, device: torch.device, zipf_s: float, rows: R
     c = users.cache
 
     def front() -> torch.Tensor:  # extend + KV write + retrieval over the set
-        k, v, emb = model.extend(
-            items_buf, users.actions, users.ts, users.offsets, c.kv, c.ts, users.tables,
-            users.ext_lens,
-        )  # fmt: skip
-        c.write(users.new_slots, k, v, users.ts)
+        emb = users.extend_one(model, items_buf)
         return retrieve_members(rset, emb, shape.cands, no_exclude)[1]
 
     def back() -> torch.Tensor:
@@ -315,12 +320,8 @@ def _pinned_rows(
     rows_buf = torch.ones(shape.batch, shape.cands, dtype=torch.int64, device=device)
 
     def front() -> torch.Tensor:  # extend + KV write + retrieval rows of the set
-        k, v, emb = model.extend(
-            items_buf, users.actions, users.ts, users.offsets, c.kv, c.ts, users.tables,
-            users.ext_lens,
-        )  # fmt: skip
-        c.write(users.new_slots, k, v, users.ts)
-        return retrieve_set_rows(rset, emb, shape.cands, no_exclude)[1]
+        return retrieve_set_rows(rset, users.extend_one(model, items_buf), shape.cands,
+                                 no_exclude)[1]  # fmt: skip
 
     def run(catalog: ItemCatalog | None) -> tuple[list[float], list[torch.Tensor]]:
         model.use_item_rows(table if catalog is None else catalog.embeddings.rows)
