@@ -18,19 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from streamrec.models.fp8 import FP8, FP8_MAX
+from streamrec.models.row_quantizer import quantize_rows, quantize_rows_reference
 
 _MIN_CAPABILITY = (8, 9)
-
-
-def _row_scale(x: torch.Tensor) -> torch.Tensor:
-    """amax / 448 of each row of x [M, K], fp32 [M, 1] (tiny instead of 0 for zero rows)."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
-    return (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-
-
-def _codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def scaled_mm_usable(x: torch.Tensor, in_features: int, out_features: int) -> bool:
@@ -46,9 +36,8 @@ class FP8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         with torch.no_grad():
-            w = linear.weight.detach()
-            scale = _row_scale(w)  # [N, 1]
-            self.register_buffer("weight", _codes(w, scale).contiguous())  # [N, K] fp8
+            codes, scale = quantize_rows_reference(linear.weight.detach())  # [N, K], [N, 1]
+            self.register_buffer("weight", codes.contiguous())  # [N, K] fp8
             self.register_buffer("weight_scale", scale.t().contiguous())  # [1, N] fp32
             bias = None if linear.bias is None else linear.bias.detach().clone()
             self.register_buffer("bias", bias)  # [N] in the model dtype, or None
@@ -67,8 +56,7 @@ class FP8Linear(nn.Module):
         w_scale: torch.Tensor = self.weight_scale  # type: ignore[assignment]
         bias: torch.Tensor | None = self.bias  # type: ignore[assignment]
         rows = x.reshape(-1, self.in_features)  # [M, K]
-        x_scale = _row_scale(rows)  # [M, 1]
-        codes = _codes(rows, x_scale)  # [M, K] fp8
+        codes, x_scale = quantize_rows(rows)  # [M, K] fp8, [M, 1] fp32
         if scaled_mm_usable(x, self.in_features, self.out_features):
             out = torch._scaled_mm(
                 codes, weight.t(), scale_a=x_scale, scale_b=w_scale,
