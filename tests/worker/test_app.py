@@ -75,7 +75,7 @@ async def test_stream_with_malformed_records_end_state(broker, unique_topic, mod
     text = metrics.decode()
     assert status == 200
     assert f'streamrec_events_consumed_total{{topic="{topics.playback}"}}' in text
-    assert 'streamrec_model_backend{backend="eager"} 1.0' in text
+    assert 'streamrec_model_backend{backend="eager_fallback"} 1.0' in text  # auto, no package
     assert app.metrics.sample("streamrec_dead_letters_total") == len(stream.malformed)
     assert app.metrics.sample("streamrec_recommendations_published_total") == app.stats().published
     app.stop()
