@@ -267,6 +267,7 @@ async def test_tiny_kv_pool_evicts_and_keeps_up(broker, unique_topic, model_dir)
 @dataclasses.dataclass
 class Run:
     valid_per_s: float
+    valid_per_cpu_s: float  # per second of this process's CPU time (the worker's threads)
     stream: Stream
     topics: Topics
     config: WorkerConfig
@@ -289,23 +290,27 @@ async def _valid_events_per_second(
     worker = asyncio.create_task(app.run())
     while app.stats().consumed == 0 and not worker.done():
         await asyncio.sleep(0.005)
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
     while app.stats().tracker.completed < total and not worker.done():
         await asyncio.sleep(0.005)
-    elapsed = time.monotonic() - started
+    elapsed, cpu = time.monotonic() - started, time.process_time() - cpu_started
     while app_committed(app) < total and not worker.done():
         await asyncio.sleep(0.005)
     histories = await store.get(stream.users)
     app.stop()
     assert await asyncio.wait_for(worker, 30) == 0
-    return Run(sum(stream.valid.values()) / elapsed, stream, topics, config, histories)
+    valid = sum(stream.valid.values())
+    return Run(valid / elapsed, valid / cpu, stream, topics, config, histories)
 
 
 async def test_malformed_flood_keeps_valid_throughput(broker, unique_topic, model_dir) -> None:
-    """10% malformed records cost dead-letter sends, not engine time: valid events/s stay
-    within 20% of a clean run of the same size (the best flood run of three against the
-    median clean run, interleaved: on the shared 2-core machine one clean run in three has
-    been seen 50% faster than the other two, 31,019 vs 18,968 and 20,068 events/s)."""
+    """10% malformed records cost dead-letter sends, not engine time: valid events per
+    CPU-second of the worker stay within 20% of a clean run of the same size (the best
+    flood run of three against the median clean run, interleaved). CPU time, not wall
+    time: on the shared 2-core machine (broker, producer and worker on two cores) wall-clock
+    runs are bimodal, one clean run in two or three ~50% faster than the others (31,019 vs
+    18,968 and 20,068 events/s; 29,256 and 28,630 vs 19,309 with floods at ~21,000), which
+    measures the scheduler, not the dead-letter path."""
     loaded = await asyncio.to_thread(
         load_model,
         ModelConfig(model_dir=model_dir, device="cpu"),
@@ -313,12 +318,16 @@ async def test_malformed_flood_keeps_valid_throughput(broker, unique_topic, mode
     )
     clean: list[float] = []
     flood: list[float] = []
+    walls: list[tuple[float, float]] = []
     for _ in range(3):
         run = await _valid_events_per_second(broker, unique_topic, model_dir, 0.0, loaded)
-        clean.append(run.valid_per_s)
+        clean.append(run.valid_per_cpu_s)
+        wall = run.valid_per_s
         run = await _valid_events_per_second(broker, unique_topic, model_dir, 0.10, loaded)
-        flood.append(run.valid_per_s)
-    assert max(flood) / sorted(clean)[1] >= 0.8, (clean, flood)
+        flood.append(run.valid_per_cpu_s)
+        walls.append((wall, run.valid_per_s))
+    print(f"valid events per CPU-s clean {clean} flood {flood}; wall (clean, flood) {walls}")
+    assert max(flood) / sorted(clean)[1] >= 0.8, (clean, flood, walls)
     # The flood run is also complete and exact.
     stream, topics, config = run.stream, run.topics, run.config
     assert len(stream.malformed) > 200
