@@ -177,14 +177,6 @@ def _distill(
         },
     }
     version = save_checkpoint(out_dir, model.eval().to("cpu"), target_ckpt.vocab, meta)
-    return TrainResult(
-        model_dir=Path(out_dir),
-        model_version=version,
-        epochs=cfg.epochs,
-        steps=stats.steps,
-        final_loss=stats.final_loss,
-        seconds=stats.seconds,
-        tokens_per_s=stats.tokens / max(stats.seconds, 1e-9),
-        num_users=part.num_users,
-        num_items=target_ckpt.vocab.size - target_ckpt.vocab.first_item_row,
+    return TrainResult.of(
+        out_dir, version, stats, target_ckpt.vocab, part.num_users, epochs=cfg.epochs
     )

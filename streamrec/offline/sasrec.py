@@ -290,15 +290,4 @@ def train_sasrec(
         stats = fit(model, data.part, data.rows, cfg, loss_fn, progress, validate)
         meta = {"training": training_meta(cfg, stats, data)}
     version = save_sasrec(out_dir, model.eval().to("cpu"), data.vocab, meta)
-    return TrainResult(
-        model_dir=Path(out_dir),
-        model_version=version,
-        epochs=stats.epochs,
-        steps=stats.steps,
-        final_loss=stats.final_loss,
-        seconds=stats.seconds,
-        tokens_per_s=stats.tokens / max(stats.seconds, 1e-9),
-        num_users=data.part.num_users,
-        num_items=data.vocab.size - data.vocab.first_item_row,
-        best_epoch=stats.best_epoch,
-    )
+    return TrainResult.of(out_dir, version, stats, data.vocab, data.part.num_users)

@@ -138,6 +138,26 @@ class TrainResult:
     num_items: int
     best_epoch: int = 0  # 1-based epoch kept by validation (0: no validation split)
 
+    @classmethod
+    def of(
+        cls, out_dir: Path | str, version: str, stats: FitStats, vocab: ItemVocabulary,
+        num_users: int, epochs: int | None = None,
+    ) -> TrainResult:  # fmt: skip
+        """The result of a run whose ``fit`` returned ``stats`` (epochs: ``stats``' own
+        unless given)."""
+        return cls(
+            model_dir=Path(out_dir),
+            model_version=version,
+            epochs=stats.epochs if epochs is None else epochs,
+            steps=stats.steps,
+            final_loss=stats.final_loss,
+            seconds=stats.seconds,
+            tokens_per_s=stats.tokens / max(stats.seconds, 1e-9),
+            num_users=num_users,
+            num_items=vocab.size - vocab.first_item_row,
+            best_epoch=stats.best_epoch,
+        )
+
 
 def _windows(lengths: np.ndarray, seq_len: int, rng: np.random.Generator) -> np.ndarray:
     """(user, start, end) windows of at most ``seq_len + 1`` tokens covering every transition.
@@ -458,15 +478,4 @@ def train(
         stats = fit(model, data.part, data.rows, cfg, loss_fn, progress, validate)
         meta = {"model_name": cfg.model_name, "training": training_meta(cfg, stats, data)}
     version = save_checkpoint(out_dir, model.eval().to("cpu"), data.vocab, meta)
-    return TrainResult(
-        model_dir=Path(out_dir),
-        model_version=version,
-        epochs=stats.epochs,
-        steps=stats.steps,
-        final_loss=stats.final_loss,
-        seconds=stats.seconds,
-        tokens_per_s=stats.tokens / max(stats.seconds, 1e-9),
-        num_users=data.part.num_users,
-        num_items=data.vocab.size - data.vocab.first_item_row,
-        best_epoch=stats.best_epoch,
-    )
+    return TrainResult.of(out_dir, version, stats, data.vocab, data.part.num_users)
