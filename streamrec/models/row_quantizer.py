@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from streamrec.models.fp8 import FP8, FP8_MAX
+from streamrec.models.fp8 import FP8, FP8_MAX, quantize
 
 try:  # Triton ships with CUDA builds of torch only.
     import triton
@@ -41,8 +41,7 @@ def row_scale(x: torch.Tensor) -> torch.Tensor:
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes [M, K] e4m3, scale [M, 1] fp32)`` of x [M, K], in PyTorch."""
     scale = row_scale(x)
-    codes = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return codes, scale
+    return quantize(x, scale), scale
 
 
 def fused_quantize_usable(x: torch.Tensor) -> bool:

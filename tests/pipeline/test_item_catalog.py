@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import pytest
@@ -18,7 +19,9 @@ from streamrec.models.hstu import HSTU
 from streamrec.models.vocabulary import ItemVocabulary
 from streamrec.pipeline.engine import Engine, EngineConfig
 from streamrec.pipeline.item_catalog import MIN_FREE_SLOTS, ItemCatalog
+from streamrec.pipeline.micro_batcher import Batch
 from streamrec.pipeline.scorer import ScoringConfig
+from streamrec.schemas.records import Recommendation
 from tests.pipeline.test_engine import _batches, _model, _process, _stream
 
 SCORING = ScoringConfig(top_k=8, num_candidates=16, exclude_recent=4)
@@ -58,6 +61,26 @@ def _catalog(
     return ItemCatalog(embeddings, retrievable, min_free_slots)
 
 
+async def _compare(
+    plain: Engine,
+    other: Engine,
+    batches: Iterable[Batch],
+    check: Callable[[Recommendation, Recommendation], None],
+) -> int:
+    """Run both engines on the same batches; ``check(got, want)`` for every user."""
+    compared = 0
+    for batch in batches:
+        want = await _process(plain, batch)
+        got = await _process(other, batch)
+        assert want.keys() == got.keys()
+        for user, rec in got.items():
+            ref = want[user]
+            assert rec is not None and ref is not None
+            check(rec, ref)
+            compared += 1
+    return compared
+
+
 @pytest.mark.parametrize("device", DEVICES)
 async def test_embedding_cache_engine_outputs_equal_the_all_gpu_table(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
@@ -70,22 +93,18 @@ async def test_embedding_cache_engine_outputs_equal_the_all_gpu_table(device: st
     assert cached_model.item_emb.weight.data_ptr() == catalog.embeddings.rows.data_ptr()
     plain = _engine(model, vocab, None, device)
     cached = _engine(cached_model, vocab, catalog, device)
-    compared = 0
-    for batch in _batches(_stream(1_200, 40, 1500, seed=4), events_per_batch=8):
-        want = await _process(plain, batch)
-        got = await _process(cached, batch)
-        assert want.keys() == got.keys()
-        for user, rec in got.items():
-            ref = want[user]
-            assert rec is not None and ref is not None
-            assert [i for i, _ in rec.items] == [i for i, _ in ref.items]
-            np.testing.assert_allclose(
-                [s for _, s in rec.items], [s for _, s in ref.items], rtol=1e-5, atol=1e-6
-            )
-            assert rec.task_scores is not None and ref.task_scores is not None
-            for name, scores in rec.task_scores.items():
-                np.testing.assert_allclose(scores, ref.task_scores[name], rtol=1e-5, atol=1e-6)
-            compared += 1
+
+    def close(rec: Recommendation, ref: Recommendation) -> None:
+        assert [i for i, _ in rec.items] == [i for i, _ in ref.items]
+        np.testing.assert_allclose(
+            [s for _, s in rec.items], [s for _, s in ref.items], rtol=1e-5, atol=1e-6
+        )
+        assert rec.task_scores is not None and ref.task_scores is not None
+        for name, scores in rec.task_scores.items():
+            np.testing.assert_allclose(scores, ref.task_scores[name], rtol=1e-5, atol=1e-6)
+
+    stream = _stream(1_200, 40, 1500, seed=4)
+    compared = await _compare(plain, cached, _batches(stream, events_per_batch=8), close)
     emb, rset = catalog.stats()
     assert compared > 500
     assert emb.misses > 400 and emb.evictions > 0 and 0 < emb.hit_rate < 1
@@ -125,16 +144,12 @@ async def test_embedding_cache_pinned_retrievable_set_serves_the_same_lists(devi
     host.bind(model)
     pinned.bind(pinned_model)
     plain, fast = _engine(model, vocab, host, device), _engine(pinned_model, vocab, pinned, device)
-    compared = 0
-    for batch in _batches(_stream(300, 20, 400, seed=5), events_per_batch=10):
-        want = await _process(plain, batch)
-        got = await _process(fast, batch)
-        assert want.keys() == got.keys()
-        for user, rec in got.items():
-            ref = want[user]
-            assert rec is not None and ref is not None
-            assert rec.items == ref.items and rec.task_scores == ref.task_scores
-            compared += 1
+
+    def same(rec: Recommendation, ref: Recommendation) -> None:
+        assert rec.items == ref.items and rec.task_scores == ref.task_scores
+
+    batches = _batches(_stream(300, 20, 400, seed=5), events_per_batch=10)
+    compared = await _compare(plain, fast, batches, same)
     emb, rset = pinned.stats()
     assert compared > 200 and rset.swapped > 0 and emb.pinned == 64
     members = pinned.retrievable.members
