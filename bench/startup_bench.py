@@ -20,7 +20,10 @@ The weights file is read from the page cache (the parent wrote or read it just b
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -59,8 +62,11 @@ def model_config(model_dir: Path, cache_dir: Path, backend: str) -> ModelConfig:
     )
 
 
-def serve_start(cfg: ModelConfig, started: float) -> dict[str, object]:
-    """The worker's start, phase by phase (runs in the fresh process)."""
+def serve_start(
+    cfg: ModelConfig, started: float, profile_to: Path | None = None
+) -> dict[str, object]:
+    """The worker's start, phase by phase (runs in the fresh process); ``profile_to``:
+    a cProfile of the ``open_packages`` phase, written there as text (top 40, cumulative)."""
     phases: dict[str, float] = {"interpreter_and_imports": time.time() - started}
 
     def lap(name: str, since: float) -> float:
@@ -78,8 +84,16 @@ def serve_start(cfg: ModelConfig, started: float) -> dict[str, object]:
     t = lap("load_checkpoint", t)
     weights_bytes = torch.cuda.memory_allocated(device)
     scoring = ScoringConfig(num_candidates=NUM_CANDIDATES)
+    prof = cProfile.Profile() if profile_to else None
+    if prof:
+        prof.enable()
     model, backend = load_serving_model(cfg, checkpoint, device, scoring)
     t = lap("open_packages", t)
+    if prof and profile_to:
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+        profile_to.write_text(text.getvalue())
     after_packages = torch.cuda.memory_allocated(device)
     loaded = LoadedModel(checkpoint=checkpoint, model=model, backend=backend, device=device)
     hstu, c = checkpoint.config, CacheConfig()
@@ -180,15 +194,18 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
     return round(float((got.float() - want.float()).abs().max()), 5)
 
 
-def run_child(model_dir: Path, cache_dir: Path, backend: str) -> dict[str, object]:
+def run_child(
+    model_dir: Path, cache_dir: Path, backend: str, profile_to: Path | None = None
+) -> dict[str, object]:
     """``serve_start`` in a fresh interpreter; the clock starts before it is spawned."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "startup.json"
+        profile = ["--child-profile", str(profile_to)] if profile_to else []
         started = time.time()
         proc = subprocess.run(
             [sys.executable, "-m", "bench.startup_bench", "--child", str(started),
              "--model-dir", str(model_dir), "--cache-dir", str(cache_dir),
-             "--backend", backend, "--child-out", str(out)],
+             "--backend", backend, "--child-out", str(out), *profile],
             capture_output=True, text=True, timeout=600, check=False,
         )  # fmt: skip
         if proc.returncode != 0:
@@ -206,10 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-profile", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="cProfile the open_packages phase: startup_open_profile_<backend>.txt in --out",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.child is not None:
         cfg = model_config(args.model_dir, args.cache_dir, args.backend[0])
-        args.child_out.write_text(json.dumps(serve_start(cfg, args.child), default=str))
+        result = serve_start(cfg, args.child, args.child_profile)
+        args.child_out.write_text(json.dumps(result, default=str))
         return 0
     if not torch.cuda.is_available():
         parser.error("the start-up bench serves on the GPU")
@@ -225,9 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for backend in args.backend:
         try:
-            rows.append(
-                {"workload": args.workload, **run_child(model_dir, args.cache_dir, backend)}
-            )
+            profile = None
+            if args.profile:
+                profile = Path(args.out or ".") / f"startup_open_profile_{backend}.txt"
+            row = run_child(model_dir, args.cache_dir, backend, profile)
+            rows.append({"workload": args.workload, **row})
+            if profile and profile.exists():
+                print("\n".join(profile.read_text().splitlines()[:48]))
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             print(f"startup with {backend}: {exc}")
     print(f"{args.workload}: model dir {setup_s:.0f} s, packages (compile/check) {compile_s:.0f} s")

@@ -101,6 +101,7 @@ class RetrievalSet:
         self._increment = 1.0
         self.table = torch.zeros((size + 1, table.shape[1]), dtype=table.dtype, device=self.device)
         # [1 + N, D] normalised rows, row 0 padding
+        self.device = self.table.device  # with its index ("cuda" -> "cuda:0"), as the cache's
         self.items = torch.from_numpy(np.concatenate([[0], members])).to(self.device)
         # [1 + N] int64 item row of each table row
         self._write(np.arange(size, dtype=np.int64), members)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,16 +52,26 @@ class Checkpoint:
 
 
 def model_version(path: Path | str) -> str:
-    """Content hash of weights + config + vocabulary of a model directory."""
+    """Content hash of weights + config + vocabulary of a model directory.
+
+    Streamed in chunks (a 1 GB weights file is never one ``bytes``; hashlib releases the
+    GIL on each chunk, so ``load_checkpoint`` hashes beside its own work).
+    """
     digest = hashlib.sha256()
     for name in (WEIGHTS, CONFIG, VOCAB):
         file = Path(path) / name
         try:
-            data = file.read_bytes()
+            with file.open("rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                digest.update(name.encode() + b"\0" + size.to_bytes(8, "little"))
+                while chunk := f.read(_HASH_CHUNK):
+                    digest.update(chunk)
         except OSError as exc:
             raise ModelError(f"model directory {path}: cannot read {file}: {exc}") from exc
-        digest.update(name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
     return digest.hexdigest()[:VERSION_CHARS]
+
+
+_HASH_CHUNK = 16 << 20
 
 
 def save_checkpoint(
@@ -115,24 +127,10 @@ def load_checkpoint(
             f"{src / CONFIG} says num_items={config.num_items} "
             f"num_oov_buckets={config.num_oov_buckets}"
         )
-    try:
-        weights = load_file(str(src / WEIGHTS))
-    except (OSError, SafetensorError) as exc:
-        raise ModelError(f"cannot read {src / WEIGHTS}: {exc}") from exc
-    model = HSTU(config)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise ModelError(f"{src / WEIGHTS}: missing {missing[:5]} unexpected {unexpected[:5]}")
-    for name, tensor in weights.items():
-        if tensor.shape != expected[name].shape:
-            raise ModelError(
-                f"{src / WEIGHTS}: {name} has shape {tuple(tensor.shape)}, "
-                f"config expects {tuple(expected[name].shape)}"
-            )
-    model.load_state_dict(weights)
-    version = model_version(src)
+    with ThreadPoolExecutor(1, thread_name_prefix="model-version") as hasher:
+        hashing = hasher.submit(model_version, src)  # beside the load (~1 s per GB)
+        model = _load_module(src, config)
+        version = hashing.result()
     meta = _read_json(src / META) if (src / META).exists() else {}
     recorded = meta.get("model_version")
     if recorded is not None and recorded != version:
@@ -145,6 +143,31 @@ def load_checkpoint(
     target = DTYPES[dtype or config.dtype]
     model = model.to(device=device, dtype=target).eval()
     return Checkpoint(model=model, vocab=vocab, version=version, path=src, meta=meta)
+
+
+def _load_module(src: Path, config: HSTUConfig) -> HSTU:
+    """The module with the file's tensors as its parameters, built on the meta device:
+    no random initialisation of a table that is overwritten next (9 s of 17 s for the
+    1M-item HSTU-8L on the CPU machine)."""
+    try:
+        weights = load_file(str(src / WEIGHTS))
+    except (OSError, SafetensorError) as exc:
+        raise ModelError(f"cannot read {src / WEIGHTS}: {exc}") from exc
+    with torch.device("meta"):
+        model = HSTU(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ModelError(f"{src / WEIGHTS}: missing {missing[:5]} unexpected {unexpected[:5]}")
+    for name, tensor in weights.items():
+        if tensor.shape != expected[name].shape:
+            raise ModelError(
+                f"{src / WEIGHTS}: {name} has shape {tuple(tensor.shape)}, "
+                f"config expects {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(weights, assign=True)
+    return model
 
 
 ITEM_TABLE = "item_emb.weight"

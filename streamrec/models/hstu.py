@@ -138,7 +138,8 @@ class HSTU(nn.Module):
             nn.Linear(config.task_hidden, config.num_tasks),
         )
         self.emb_dropout = nn.Dropout(config.dropout)
-        edges = time_bucket_edges(config.num_time_buckets, config.time_bucket_width)
+        with torch.device("cpu"):  # a real tensor also when built on "meta" (load_checkpoint)
+            edges = time_bucket_edges(config.num_time_buckets, config.time_bucket_width)
         self.register_buffer("time_edges", edges, persistent=False)
         nn.init.normal_(self.item_emb.weight, std=config.d_model**-0.5)
         nn.init.normal_(self.action_emb.weight, std=config.d_model**-0.5)

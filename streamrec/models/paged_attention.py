@@ -148,13 +148,15 @@ def dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def fast_silu_allowed(fast: bool, q: torch.Tensor) -> bool:
-    """Whether a launch may use the ``tanh.approx`` SiLU: bf16/fp16 only, and only when
-    launched eagerly. Inside a graph that Inductor traces (torch.compile, AOTInductor) the
-    tensors are fake and the exact sigmoid is used: the compiled incremental step with the
-    inline assembly hit an illegal memory access on the H200."""
-    if not fast or q.dtype == torch.float32:
-        return False
-    return not (torch.compiler.is_compiling() or is_fake(q))
+    """Whether a launch may use the ``tanh.approx`` SiLU: bf16/fp16 only, eager and
+    traced (torch.compile, AOTInductor) alike.
+
+    Traced launches ran the exact sigmoid until 2026-12-01: an Inductor-compiled step
+    with the inline assembly once hit an illegal memory access on the H200. Inductor
+    passed the kernels' float scalars as fp64, so the assembly's fp32 operand was an
+    fp64 product; the kernels now cast those scalars to fp32 at entry and the operand
+    explicitly (BENCHMARKS.md, issue 15), and the package runs the same SiLU as eager."""
+    return fast and q.dtype != torch.float32
 
 
 def head_rows(x: torch.Tensor) -> torch.Tensor:
@@ -245,7 +247,8 @@ if triton is not None:
         division; its 2^-11 relative error is below the bf16 rounding that follows)."""
         if FAST:
             t = tl.inline_asm_elementwise(
-                "tanh.approx.f32 $0, $1;", "=f,f", [s * 0.5], dtype=tl.float32, is_pure=True,
+                "tanh.approx.f32 $0, $1;", "=f,f", [(s * 0.5).to(tl.float32)], dtype=tl.float32,
+                is_pure=True,
                 pack=1,
             )  # fmt: skip
             # (scalars come in as fp32, or as fp64 from Inductor: cast the product)

@@ -112,7 +112,12 @@ if triton is not None:
         the bf16 rounding of the weights that follows; else the exact x·2·sigmoid(2x)."""
         if FAST:
             t = tl.inline_asm_elementwise(
-                "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+                "tanh.approx.f32 $0, $1;",
+                "=f,f",
+                [x.to(tl.float32)],
+                dtype=tl.float32,
+                is_pure=True,
+                pack=1,
             )
             return x + x * t
         else:

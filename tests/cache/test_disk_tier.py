@@ -236,16 +236,26 @@ def test_disk_tier_misuse(tmp_path: Path) -> None:
 def test_disk_tier_round_trip_on_the_gpu(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    tiers = _tiers(tmp_path, device="cuda")
+    _round_trip_through_the_tiers(tmp_path, "cuda")
+
+
+def test_disk_tier_round_trip_stepping_users_back_in_lru_order(tmp_path: Path) -> None:
+    _round_trip_through_the_tiers(tmp_path, "cpu")
+
+
+def _round_trip_through_the_tiers(tmp_path: Path, device: str) -> None:
+    tiers = _tiers(tmp_path, device=device)
     saved = {}
     for user in "abcdef":
         _step(tiers, user, 8)
         saved[user] = [t.cpu() for t in tiers.cache.read(user)]
-    assert tiers.disk is not None and tiers.disk.cache.device.type == "cuda"
+    assert tiers.disk is not None and tiers.disk.cache.device.type == device
     assert tiers.prefetch(["a"]) == 1
     for user in ("a", "b", "c"):
-        _step(tiers, user, 0)
+        # a comes from disk; its onload sends the GPU's LRU (d) to the host, whose LRU (b)
+        # goes to disk, and so on: each of a, b, c is read back from disk in its turn
+        assert _step(tiers, user, 0).outcomes == {user: DISK}
         for got, want in zip(tiers.cache.read(user), saved[user], strict=True):
             assert torch.equal(got.cpu(), want)
-    assert tiers.stats().disk_hits == 1
+    assert tiers.stats().disk_hits == 3
     tiers.close()

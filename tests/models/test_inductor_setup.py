@@ -19,3 +19,14 @@ def test_cpu_package_loads_keep_the_probe() -> None:
     before = inductor_config.cpp.vec_isa_ok
     with cpu_isa_probe_skipped(torch.device("cpu")):
         assert inductor_config.cpp.vec_isa_ok == before  # their code runs on those units
+
+
+def test_cuda_package_loads_answer_the_sub_isa_probes_from_cpuinfo() -> None:
+    """The AVX-512 bf16 / AMX sub-probes compile even with ``vec_isa_ok`` (torch 2.11):
+    inside the block no probe compiles, and the real one is back after it."""
+    from torch._inductor import cpu_vec_isa
+
+    probe = cpu_vec_isa.VecISA.check_build
+    with cpu_isa_probe_skipped(torch.device("cuda", 0)):
+        assert cpu_vec_isa.VecAVX2().check_build("this is not C++") is True  # no compile
+    assert cpu_vec_isa.VecISA.check_build is probe
