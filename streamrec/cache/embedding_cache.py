@@ -76,10 +76,12 @@ class EmbeddingCache:
         self._host = table.contiguous()  # [V, D]; pageable or memory-mapped is fine
         if self.fully_resident:
             self.rows = table.to(self.device)  # [V, D]
+            self.device = self.rows.device  # with its index ("cuda" -> "cuda:0")
             self._bytes_copied = table.nbytes
             return
         on_cuda = self.device.type == "cuda"
         self.rows = torch.zeros((slots, dim), dtype=table.dtype, device=self.device)  # [S, D]
+        self.device = self.rows.device  # with its index ("cuda" -> "cuda:0")
         rows = min(staging_rows, slots)
         self._staging = [
             torch.empty((rows, dim), dtype=table.dtype, pin_memory=on_cuda) for _ in range(2)
