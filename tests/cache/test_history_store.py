@@ -118,6 +118,45 @@ async def test_append_result_counts_per_user_and_keeps_the_last_tokens(store_url
     await store.close()
 
 
+async def test_memory_store_reads_between_appends_equal_the_last_tokens() -> None:
+    """Reads interleaved with appends (the table is rebuilt lazily from what came since
+    the last read): each read is the last ``max_seq_len`` tokens, and a History already
+    returned never changes under later appends."""
+    store = MemoryHistoryStore(MAX_SEQ_LEN)
+    rng = random.Random(7)
+    sent: dict[str, list[tuple[int, int, int]]] = {"a": [], "b": []}
+    held = []
+    offset = 0
+    for step in range(120):
+        batch = []
+        for _ in range(rng.randrange(0, 9)):
+            user = rng.choice("ab")
+            token = (rng.randrange(1, 99), rng.randrange(1, 5), step * 100 + offset)
+            batch.append(HistoryEvent(user, "t", 0, offset, Token(*token)))
+            sent[user].append(token)
+            offset += 1
+        await store.append(batch)
+        if step % 3 == 0:
+            got = await store.get(["a", "b"])
+            for user, history in got.items():
+                want = sent[user][-MAX_SEQ_LEN:]
+                rows = list(zip(history.items, history.actions, history.ts, strict=True))
+                assert [tuple(map(int, r)) for r in rows] == want
+                held.append((history, [t[0] for t in want]))
+    for history, items in held:
+        assert history.items.tolist() == items
+    assert store.stats().bytes == 24 * 2 * MAX_SEQ_LEN
+
+
+async def test_memory_store_user_never_read_stays_bounded() -> None:
+    store = MemoryHistoryStore(4)
+    events = [HistoryEvent("u", "t", 0, i, Token(i, 1, i)) for i in range(1000)]
+    await store.append(events)
+    state = store._users["u"]
+    assert len(state.pending) + len(state.table) <= 2 * 4 + 4
+    assert (await store.get(["u"]))["u"].items.tolist() == [996, 997, 998, 999]
+
+
 def test_unknown_scheme_is_a_config_error_naming_the_url() -> None:
     with pytest.raises(ConfigError, match="kafka://x"):
         open_history_store("kafka://x", 10)

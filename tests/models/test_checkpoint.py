@@ -40,6 +40,22 @@ def test_round_trip_keeps_weights_config_vocab_and_version(tmp_path) -> None:
     assert not ckpt.model.training
 
 
+def test_loaded_model_owns_its_tensors_and_buffers(tmp_path) -> None:
+    """Built on the meta device and given the file's tensors: the buffers are real, the
+    module computes as the saved one, and rewriting the file does not reach it."""
+    model, vocab = small()
+    save_checkpoint(tmp_path / "m", model, vocab)
+    ckpt = load_checkpoint(tmp_path / "m", dtype="bfloat16")
+    assert not any(t.is_meta for t in [*ckpt.model.parameters(), *ckpt.model.buffers()])
+    assert torch.equal(ckpt.model.time_edges, model.time_edges)
+    assert {p.dtype for p in ckpt.model.parameters()} == {torch.bfloat16}
+    before = ckpt.model.item_emb.weight.detach().clone()
+    save_checkpoint(tmp_path / "m", small(seed=1)[0], vocab)  # the file is rewritten
+    assert torch.equal(ckpt.model.item_emb.weight.detach(), before)
+    fp32 = load_checkpoint(tmp_path / "m")
+    assert all(p.requires_grad for p in fp32.model.parameters())
+
+
 def test_version_changes_with_weights_and_not_with_meta(tmp_path) -> None:
     model, vocab = small()
     v1 = save_checkpoint(tmp_path / "a", model, vocab, {"note": 1})
