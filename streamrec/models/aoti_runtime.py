@@ -21,7 +21,10 @@ engine drives either backend unchanged. Three choices shape it:
   the offsets and lengths too, with one small device-to-host copy. That copy
   synchronises, which a CUDA-graph capture forbids, so ``GraphedModel`` calls
   ``check_extend`` / ``check_rank`` on the caller's tensors before each replay and
-  captures ``unchecked()``, the same runners without the value checks.
+  captures ``unchecked()``, the same runners without the value checks. The worker loads
+  its packages without the value checks (``check_values=False``, worker/model_loader.py):
+  before each replay that sync stalled the CPU until the GPU drained, and the worker's
+  values come from its own block pool, trusted as the eager kernels trust them.
 """
 
 from __future__ import annotations

@@ -94,6 +94,14 @@ def load_serving_model(
             checkpoint=checkpoint,
             config=export_config_for(scoring or ScoringConfig(), precision),
             optional=("extend_scratch",),  # generation, when exported with it
+            # Shapes, dtypes and devices are still checked on every call (metadata, free).
+            # The value check (offsets, cached lengths) copies them to the host: one
+            # synchronisation before each graph replay, which stalled the CPU until the
+            # GPU drained (the worker's AOTI path ran 0.2-0.6 ms per step behind the
+            # single-graph one on the H200, BENCHMARKS.md issue 15). The worker's values
+            # come from ModelStep and the block pool, whose invariants are tested, and are
+            # trusted as the eager kernels trust them.
+            check_values=False,
         )
     except ExportError as exc:
         if model_cfg.backend == "aoti":
