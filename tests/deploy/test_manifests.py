@@ -390,6 +390,21 @@ def test_dockerfile_pins_the_tested_torch_and_checks_health() -> None:
     assert yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["images"]
 
 
+def test_jit_caches_live_on_the_writable_cache_volume(rendered: list[Resource]) -> None:
+    """The root filesystem is read-only and the uid has no home: Triton's and Inductor's
+    compile caches must point into the mounted cache volume, or the eager GPU worker
+    cannot compile its first kernel."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    pod = only(rendered, "StatefulSet")["spec"]["template"]["spec"]
+    worker = next(c for c in pod["containers"] if c["name"] == "worker")
+    assert worker["securityContext"]["readOnlyRootFilesystem"] is True
+    writable = [m["mountPath"] for m in worker["volumeMounts"] if not m.get("readOnly")]
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_HOME", "TRITON_CACHE_DIR"):
+        found = re.search(rf"\b{var}=(\S+)", dockerfile)
+        assert found is not None, var
+        assert any(found.group(1).startswith(path) for path in writable), (var, writable)
+
+
 def test_gpu_pods_run_one_worker_process_each(gpu: list[Resource]) -> None:
     # One pod per GPU (deploy/README.md, "Several GPUs per node"): no supervisor of
     # several workers inside a pod, whose other children nobody would probe or scrape.
