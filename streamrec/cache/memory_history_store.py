@@ -47,7 +47,7 @@ class _UserHistory:
 
 
 class MemoryHistoryStore(HistoryStore):
-    """Histories in a dict of bounded deques; appends are synchronous under the hood."""
+    """Histories in a dict of per-user token tables; appends are synchronous under the hood."""
 
     def __init__(self, max_seq_len: int) -> None:
         super().__init__(max_seq_len)
