@@ -69,8 +69,8 @@ class MemoryHistoryStore(HistoryStore):
                 continue
             state.watermarks[tp] = offset
             state.pending.append((int(token[0]), int(token[1]), int(token[2])))
-            if len(state.pending) > 2 * self.max_seq_len:  # a user nobody reads: stay bounded
-                state.tokens(self.max_seq_len)
+            if len(state.pending) > self.max_seq_len:  # a user nobody reads: stay bounded
+                state.tokens(self.max_seq_len)  # (one conversion per max_seq_len appends)
             state.total += 1
             applied[user_id] = applied.get(user_id, 0) + 1
         return self._counted(AppendResult(applied, skipped))
