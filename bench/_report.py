@@ -6,10 +6,13 @@ produced it, so the JSON always carries them next to the rows.
 
 from __future__ import annotations
 
+import cProfile
 import datetime as dt
+import io
 import json
 import os
 import platform
+import pstats
 import sys
 from collections.abc import Mapping, Sequence
 from importlib import metadata
@@ -109,3 +112,10 @@ def write_results(
     tmp.write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def profile_text(prof: cProfile.Profile, lines: int) -> str:
+    """The ``lines`` functions with the most cumulative time of a cProfile, as text."""
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(lines)
+    return text.getvalue()

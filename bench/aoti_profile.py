@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
 import os
-import pstats
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -32,6 +30,7 @@ from typing import Any
 
 import torch
 
+from bench._report import profile_text
 from bench.aoti_packages import CACHE_DIR, reference_model_dir
 from bench.h200_common import Batch, kernel_profile
 from bench.reference_config import HSTU_8L, SPEEDUP_HISTORY_LEN
@@ -64,10 +63,9 @@ def open_rows(model: HSTU, package: Any) -> dict[str, Any]:
                       ENTRY_POINTS))  # fmt: skip
     threaded = round(time.perf_counter() - t0, 2)
     print(f"open all four from four threads: {threaded} s (serial {sum(serial.values()):.2f})")
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
-    print(text.getvalue()[-6000:])
-    return {"serial_s": serial, "threaded_s": threaded, "cprofile_first_load": text.getvalue()}
+    text = profile_text(prof, 30)
+    print(text[-6000:])
+    return {"serial_s": serial, "threaded_s": threaded, "cprofile_first_load": text}
 
 
 def step_rows(model: HSTU, aoti: AOTIModel, batches: list[int]) -> list[dict[str, Any]]:

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
-import pstats
 import subprocess
 import sys
 import tempfile
@@ -33,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench._report import print_table
+from bench._report import print_table, profile_text
 from bench.aoti_packages import CACHE_DIR, prepare, reference_model_dir, save_results, workload
 from streamrec.cache.host_tier import HostTier
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig, free_memory_bytes
@@ -91,9 +89,7 @@ def serve_start(
     t = lap("open_packages", t)
     if prof and profile_to:
         prof.disable()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
-        profile_to.write_text(text.getvalue())
+        profile_to.write_text(profile_text(prof, 40))
     after_packages = torch.cuda.memory_allocated(device)
     loaded = LoadedModel(checkpoint=checkpoint, model=model, backend=backend, device=device)
     hstu, c = checkpoint.config, CacheConfig()

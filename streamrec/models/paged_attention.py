@@ -251,7 +251,7 @@ if triton is not None:
                 is_pure=True,
                 pack=1,
             )  # fmt: skip
-            # (scalars come in as fp32, or as fp64 from Inductor: cast the product)
+            # (the kernels cast their scalars to fp32 at entry; the cast keeps it so)
             c = (s * 0.5 * inv_divisor).to(tl.float32)
             return c * t + c
         else:

@@ -2,10 +2,10 @@
 
 ``load_serving_model`` picks the backend: the AOTInductor package matching the model
 version in ``model_cfg.aoti_cache_dir`` when there is one, else the eager module (or an
-error under ``model.backend = "aoti"``). Both satisfy ``ServingModel``; the engine, the metrics and
-the logs only ever see the backend's name. ``graphed_serving_model`` then wraps either
-backend in CUDA graphs on a GPU: the AOTI package replayed per bucket is the fastest path
-(README, "Backends"), the eager module in graphs the fallback.
+error under ``model.backend = "aoti"``; ``"eager"`` skips the package cache). Both satisfy
+``ServingModel``; the engine, the metrics and the logs only ever see the backend's name.
+``graphed_serving_model`` then wraps either backend in CUDA graphs on a GPU (the README,
+"Backends", says which is faster where).
 """
 
 from __future__ import annotations
