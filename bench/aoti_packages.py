@@ -57,7 +57,8 @@ def reference_model_dir(w: ReferenceWorkload, root: Path = MODELS_DIR) -> Path:
         shutil.rmtree(path)
     model = build_model(w)
     cfg = model.config
-    names = (f"item{n}" for n in range(cfg.num_items - 1 - cfg.num_oov_buckets))
+    # the ids the worker bench streams (i0, i1, …), known to the vocabulary
+    names = (f"i{n}" for n in range(cfg.num_items - 1 - cfg.num_oov_buckets))
     vocab = ItemVocabulary(list(names), num_oov_buckets=cfg.num_oov_buckets)
     tmp = root / f".tmp-{w.name}"
     save_checkpoint(tmp, model, vocab, {"model_name": w.name})

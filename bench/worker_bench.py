@@ -533,7 +533,10 @@ async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
         )
     store = open_history_store("memory://", w.max_seq_len)
     t0 = time.perf_counter()
-    await _preload(store, plan.lengths, w.num_items, np.random.default_rng(ns.seed))
+    # Item ids the served checkpoint knows (the AOTI reference model's table holds its
+    # padding and OOV rows inside num_items): histories and events stay in its vocabulary.
+    known = len(loaded.checkpoint.vocab.items)
+    await _preload(store, plan.lengths, known, np.random.default_rng(ns.seed))
     preload_s = time.perf_counter() - t0
     ctx = mp.get_context("spawn")
     async with DevBroker() as broker:
@@ -543,7 +546,7 @@ async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
             {t.playback: parts, t.interaction: parts, t.output: parts, t.dead_letter: 1}
         )
         conn, child = ctx.Pipe()
-        args = (broker.bootstrap_servers, t.playback, w.num_items, parts, child)
+        args = (broker.bootstrap_servers, t.playback, known, parts, child)
         proc = ctx.Process(target=producer_process, args=args, daemon=True)
         proc.start()
         acks = AckLog()

@@ -184,8 +184,10 @@ if triton is not None:
         user = (pid // m_tiles).to(tl.int64)
         tile = pid % m_tiles
         n_keys = tl.load(lens_ptr + user).to(tl.int32)
-        k_start = split * keys_per_split
-        k_end = tl.minimum(n_keys, k_start + keys_per_split)
+        # Inductor types a symbolic int as int64, which made the key loop and each key's
+        # block // and % 64-bit (the kernel ran 20 % slower in the package): int32 here.
+        k_start = split * tl.cast(keys_per_split, tl.int32)
+        k_end = tl.minimum(n_keys, k_start + tl.cast(keys_per_split, tl.int32))
         offs_d = tl.arange(0, D)
         cand = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
         cmask = cand < num_cands

@@ -380,8 +380,10 @@ if triton is not None:
         num_splits = tl.num_programs(2)
         user = tl.load(q_user_ptr + g).to(tl.int64)
         n_keys = tl.load(lens_ptr + user).to(tl.int32)
-        k_start = split * keys_per_split
-        k_end = tl.minimum(n_keys, k_start + keys_per_split)
+        # Inductor types a symbolic int as int64, which made the key loop and each key's
+        # block // and % 64-bit (the kernel ran 10 % slower in the package): int32 here.
+        k_start = split * tl.cast(keys_per_split, tl.int32)
+        k_end = tl.minimum(n_keys, k_start + tl.cast(keys_per_split, tl.int32))
         offs_d = tl.arange(0, D)
         # Inductor passes Python floats as fp64 scalars: every product is cast to fp32.
         q = (tl.load(q_ptr + g * stride_q + h * D + offs_d).to(tl.float32) * scale).to(tl.float32)
