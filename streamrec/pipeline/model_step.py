@@ -217,8 +217,13 @@ class ModelStep:
         lengths = np.fromiter((w.tokens.shape[0] for w in work), np.int64, len(work))
         offsets = np.zeros(len(work) + 1, dtype=np.int64)  # [B+1]
         np.cumsum(lengths, out=offsets[1:])
-        t = to_device(np.ascontiguousarray(tokens.T), self.device)  # [3, T]
-        return t[0], t[1], t[2], to_device(offsets, self.device)
+        n = tokens.shape[0]
+        # Rows of an even width start 16-byte aligned: an AOTI package compiled for aligned
+        # inputs copies a misaligned one (a warning and a copy per call, H200).
+        rows = np.zeros((3, n + (n & 1)), dtype=np.int64)  # [3, T (+1)]
+        rows[:, :n] = tokens.T
+        t = to_device(rows, self.device)
+        return t[0, :n], t[1, :n], t[2, :n], to_device(offsets, self.device)
 
     def _write(
         self, work: list[UserWork], k: torch.Tensor, v: torch.Tensor, ts: torch.Tensor

@@ -319,3 +319,24 @@ async def test_a_user_lost_while_later_batches_are_prepared_is_rebuilt_once(
     np.testing.assert_allclose([s for _, s in rec.items], want["a"].scores, rtol=1e-5)
     assert engine.stats().gpu_hits >= 1 and engine.stats().rebuilds_after_loss == 1
     await engine.close()
+
+
+def test_a_steps_token_rows_start_16_byte_aligned_for_any_token_count() -> None:
+    """An AOTI package compiled for aligned inputs copies a misaligned one on every call:
+    items, actions and ts of an odd number of tokens must still each start aligned."""
+    from streamrec.pipeline.model_step import UserWork
+
+    model, vocab = _model(30)
+    engine = _engine(model, vocab, 64, 0, open_history_store("memory://", 64))
+    rng = np.random.default_rng(0)
+    for counts in ([1], [2, 1], [3, 2, 2]):
+        work = [
+            UserWork(f"u{n}", rng.integers(1, 40, size=(c, 3)), False, np.zeros(0, np.int64), c)
+            for n, c in enumerate(counts)
+        ]
+        items, actions, ts, offsets = engine.step._jagged(work)
+        tokens = np.concatenate([w.tokens for w in work])
+        for column, tensor in enumerate((items, actions, ts)):
+            assert tensor.data_ptr() % 16 == 0 and tensor.is_contiguous()
+            assert tensor.tolist() == tokens[:, column].tolist()
+        assert offsets.tolist() == [0, *np.cumsum(counts).tolist()]
