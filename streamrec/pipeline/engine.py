@@ -299,7 +299,7 @@ class Engine:
                 history = histories.get(user, History.empty())
                 if len(history):
                     keep = self.config.scoring.exclude_recent
-                    rebuilt[user] = UserWork.from_history(user, history, keep)
+                    rebuilt[user] = UserWork.from_history(user, history, keep, self.vocab.size)
                     self._ahead[user] = history.total_appended
             more, extra = self._run_step(list(rebuilt.values()))
             outputs += more
@@ -317,7 +317,8 @@ class Engine:
         return False
 
     def _rebuild_work(self, user: str, history: History, tps: set[TP]) -> UserWork:
-        work = UserWork.from_history(user, history, self.config.scoring.exclude_recent)
+        keep = self.config.scoring.exclude_recent
+        work = UserWork.from_history(user, history, keep, self.vocab.size)
         state = self._users.get(user)
         known = state.tps if state is not None else set()
         self._users[user] = _UserState(history.total_appended, work.recent, known | tps)

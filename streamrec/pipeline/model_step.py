@@ -47,8 +47,23 @@ class UserWork:
     version: int  # tokens ever appended for the user, this step's included
 
     @classmethod
-    def from_history(cls, user_id: str, history: History, exclude_recent: int) -> UserWork:
-        """A rebuild of the user's cache from its stored window (engine and reference)."""
+    def from_history(
+        cls, user_id: str, history: History, exclude_recent: int, num_rows: int | None = None
+    ) -> UserWork:
+        """A rebuild of the user's cache from its stored window (engine and reference).
+
+        With ``num_rows`` (the served vocabulary's size) a stored item row outside the
+        embedding table is a ``PipelineError`` naming the user, here on the host: on the
+        GPU it would be a device-side assert that ends the process's CUDA context."""
+        if num_rows is not None and len(history.items):
+            low, high = int(history.items.min()), int(history.items.max())
+            if low < 0 or high >= num_rows:
+                bad = high if high >= num_rows else low
+                raise PipelineError(
+                    f"user {user_id!r}: the history store holds item row {bad}, outside "
+                    f"the model's {num_rows} rows: it was written under another vocabulary "
+                    "(clear the store, or keep the vocabulary's rows when retraining)"
+                )
         tokens = np.stack([history.items, history.actions, history.ts], axis=1)  # [L, 3]
         keep = exclude_recent
         recent = history.items[-keep:].copy() if keep else np.zeros(0, dtype=np.int64)

@@ -340,3 +340,23 @@ def test_a_steps_token_rows_start_16_byte_aligned_for_any_token_count() -> None:
             assert tensor.data_ptr() % 16 == 0 and tensor.is_contiguous()
             assert tensor.tolist() == tokens[:, column].tolist()
         assert offsets.tolist() == [0, *np.cumsum(counts).tolist()]
+
+
+async def test_a_stored_row_outside_the_vocabulary_is_a_named_error_not_a_device_fault() -> None:
+    # A store written under a larger vocabulary: on the GPU the embedding lookup of that
+    # row would be a device-side assert that ends the process's CUDA context.
+    from streamrec.cache.history_store import HistoryEvent, Token
+    from streamrec.errors import PipelineError
+
+    model, vocab = _model(30)
+    store = open_history_store("memory://", MAX_SEQ_LEN)
+    rows = [vocab.first_item_row, vocab.size + 5, vocab.first_item_row + 1]
+    await store.append(
+        [
+            HistoryEvent("ux", "history", 0, n, Token(row, 1, 1_600_000_000_000 + n))
+            for n, row in enumerate(rows)
+        ]
+    )
+    engine = _engine(model, vocab, 64, 0, store)
+    with pytest.raises(PipelineError, match=rf"'ux'.*row {vocab.size + 5}.*another vocabulary"):
+        await _process(engine, _user_batch(0, {"ux": 1}, 10))
