@@ -26,9 +26,13 @@ overwrite what a caller still holds.
 
 Any backend works: eager ``HSTU`` and the AOTInductor runtime alike. A backend that
 checks its inputs (``CheckedModel``: the AOTI one, whose package would otherwise read out
-of bounds on a bad batch) has its check run on the caller's tensors before each replay,
-outside the capture, and the capture records its ``unchecked()`` twin, because the check
-copies values to the host and a capture forbids that synchronisation.
+of bounds on a bad batch) has its value check run on the caller's tensors before each
+replay, outside the capture, and the capture records its ``unchecked()`` twin, because the
+check copies values to the host and a capture forbids that synchronisation. A backend
+loaded without value checks (the worker's: its batches come from its own block pool) is
+not checked per replay at all: a replay reads only the static buffers its capture was
+validated on, the copies into them check the shapes, and the metadata checks cost
+~70 µs of host time per step (CPU machine), on the critical path at small batches.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ Call = Callable[[], tuple[torch.Tensor, ...]]
 @runtime_checkable
 class CheckedModel(Protocol):
     """A ``ServingModel`` that validates its inputs with a host synchronisation."""
+
+    check_values: bool  # False: only dtypes and shapes, which a replay needs no check of
 
     def check_extend(
         self,
@@ -137,8 +143,10 @@ class GraphedModel:
     ) -> None:
         self.model = model
         # What the captures record: the backend without its host-side checks, which run
-        # on the caller's tensors before each replay instead.
-        self._checks = model if isinstance(model, CheckedModel) else None
+        # on the caller's tensors before each replay instead (value checks only).
+        self._checks: CheckedModel | None = (
+            model if isinstance(model, CheckedModel) and model.check_values else None
+        )
         self._captured = model.unchecked() if isinstance(model, CheckedModel) else model
         self.config = config
         self._kv_pool = kv_pool  # [Lyr, 2, NB, BS, H, d]: captured by address

@@ -218,3 +218,39 @@ def test_retrieve_is_padded_to_its_bucket_and_equals_the_direct_call() -> None:
     wide = torch.full((3, graphed.config.exclude_width + 1), -1)
     graphed.retrieve(emb, 5, wide)  # wider than any capture: the direct call
     assert graphed.stats.eager_calls == 1
+
+
+class _CountingChecks:
+    """The eager module behind a ``CheckedModel`` face that counts its checks."""
+
+    def __init__(self, model, check_values: bool) -> None:
+        self.model, self.check_values, self.checks = model, check_values, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def check_extend(self, *args) -> None:
+        self.checks += 1
+
+    def check_rank(self, *args) -> None:
+        self.checks += 1
+
+    def unchecked(self):
+        return self.model
+
+
+@pytest.mark.parametrize("check_values", [True, False])
+@torch.no_grad()
+def test_only_a_value_checking_backend_is_checked_before_each_replay(check_values: bool) -> None:
+    cached, new = [0, 3, 7], [1, 2, 1]
+    model, cache, hist, gen = _setup(0, cached)
+    backend = _CountingChecks(model, check_values)
+    graphed = _graphed(backend, cache, cands=4, capture=False)
+    args = _extend_args(model, cache, hist, cached, new)
+    for got, want in zip(graphed.extend(*args), model.extend(*args), strict=True):
+        assert rel_err(got, want) < TOL
+    cand = torch.randint(1, model.config.num_items, (len(cached), 4), generator=gen)
+    rank_args = (cand, args[2][args[3][1:] - 1], cache.kv, cache.ts, args[6], args[7])
+    assert rel_err(graphed.rank(*rank_args), model.rank(*rank_args)) < TOL
+    assert backend.checks == (2 if check_values else 0)
+    assert graphed.stats.by_bucket == {"extend/8": 1, "rank/8": 1}
