@@ -354,7 +354,9 @@ def worker_config(
         batching=BatcherConfig(max_batch_users=ns.max_batch_users, max_wait_ms=ns.max_wait_ms),
         scoring=ScoringConfig(num_candidates=w.num_candidates, top_k=20),
         cache=wc.CacheConfig(kv_budget_bytes=kv, block_size=BLOCK_SIZE, host_tier_bytes=0),
-        model=wc.ModelConfig(  # the gpu overlay's path: eager + CUDA graphs
+        # The gpu-eager overlay's path, eager + CUDA graphs: no packages to compile first
+        # (deploy/'s gpu overlay serves AOTI packages in CUDA graphs, faster on the H200).
+        model=wc.ModelConfig(
             model_dir=model_dir_for(w, ns.models_dir),
             backend="eager",
             cuda_graphs=not ns.no_cuda_graphs,

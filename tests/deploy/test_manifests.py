@@ -3,7 +3,7 @@
 Core Kubernetes objects are validated with ``kubernetes-validate`` (the Kubernetes OpenAPI
 schemas ship inside the wheel; strict mode rejects unknown fields) against the oldest
 supported and the newest bundled Kubernetes version. The manifests validated are the
-*rendered* base and GPU overlay (tests/deploy/kustomization.py emulates ``kustomize
+*rendered* base and GPU overlays (tests/deploy/kustomization.py emulates ``kustomize
 build`` offline). CRDs (KEDA, Prometheus Operator) are validated with ``jsonschema``
 against the small schemas in tests/deploy/schemas/ covering the fields deploy/ uses.
 """
@@ -31,7 +31,7 @@ SCHEMAS = Path(__file__).parent / "schemas"
 OVERLAYS = {
     "base": K8S / "base",
     "gpu": K8S / "overlays" / "gpu",
-    "gpu-aoti": K8S / "overlays" / "gpu-aoti",
+    "gpu-eager": K8S / "overlays" / "gpu-eager",
 }
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 CRD_SCHEMAS = {
@@ -249,30 +249,32 @@ def _requests_one_gpu(resources: list[Resource]) -> dict[str, Any]:
     return dict(pod)
 
 
-def test_gpu_overlay_serves_eager_from_cuda_graphs(gpu: list[Resource]) -> None:
-    # The fastest worker path measured on the H200 (BENCHMARKS.md, issue 15): no package
-    # to compile, so no init container and no package volume.
+def test_gpu_overlay_compiles_and_requires_the_package(gpu: list[Resource]) -> None:
+    # Production: AOTI packages replayed from CUDA graphs, the fastest worker path measured
+    # on the H200 (BENCHMARKS.md, issue 15).
     pod = _requests_one_gpu(gpu)
-    assert "initContainers" not in pod
-    assert "volumeClaimTemplates" not in only(gpu, "StatefulSet")["spec"]
-    environ = pod_environ(worker(gpu))
-    assert environ["STREAMREC_MODEL__DEVICE"] == "cuda"
-    assert environ["STREAMREC_MODEL__BACKEND"] == "eager"
-    assert environ["STREAMREC_MODEL__CUDA_GRAPHS"] == "true"
-
-
-def test_gpu_aoti_overlay_compiles_and_requires_the_package() -> None:
-    rendered = Kustomization(OVERLAYS["gpu-aoti"]).render()
-    pod = _requests_one_gpu(rendered)
-    statefulset = only(rendered, "StatefulSet")
+    statefulset = only(gpu, "StatefulSet")
     assert "aoti-cache" not in {v["name"] for v in pod["volumes"]}
     assert [t["metadata"]["name"] for t in statefulset["spec"]["volumeClaimTemplates"]] == [
         "aoti-cache"
     ]
-    environ = pod_environ(worker(rendered))
+    environ = pod_environ(worker(gpu))
+    assert environ["STREAMREC_MODEL__DEVICE"] == "cuda"
     assert environ["STREAMREC_MODEL__BACKEND"] == "aoti"
     assert environ["STREAMREC_MODEL__CUDA_GRAPHS"] == "true"  # AOTI in graphs
     assert pod["initContainers"][0]["args"][0] == "export"
+
+
+def test_gpu_eager_overlay_serves_eager_from_cuda_graphs() -> None:
+    # No package to compile, so no init container and no package volume.
+    rendered = Kustomization(OVERLAYS["gpu-eager"]).render()
+    pod = _requests_one_gpu(rendered)
+    assert "initContainers" not in pod
+    assert "volumeClaimTemplates" not in only(rendered, "StatefulSet")["spec"]
+    environ = pod_environ(worker(rendered))
+    assert environ["STREAMREC_MODEL__DEVICE"] == "cuda"
+    assert environ["STREAMREC_MODEL__BACKEND"] == "eager"
+    assert environ["STREAMREC_MODEL__CUDA_GRAPHS"] == "true"
 
 
 def test_autoscaling_never_exceeds_the_partition_count(gpu: list[Resource]) -> None:
