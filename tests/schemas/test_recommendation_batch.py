@@ -12,9 +12,12 @@ from streamrec.schemas.records import CacheOutcome, Recommendation
 from streamrec.schemas.wire import WireFormat
 
 
-def _batch(users: int = 3, k: int = 4, tasks: bool = True) -> RecommendationBatch:
+def _batch(
+    users: int = 3, k: int = 4, tasks: bool = True, timings: bool = True, generated: bool = False
+) -> RecommendationBatch:
     rng = np.random.default_rng(0)
     ids = np.array([[f"i{u}-{j}" for j in range(k)] for u in range(users)], dtype=object)
+    gen = np.array([[f"g{u}-{j}" for j in range(2)] for u in range(users)], dtype=object)
     return RecommendationBatch(
         user_ids=[f"u{u}" for u in range(users)],
         item_ids=ids,
@@ -27,7 +30,9 @@ def _batch(users: int = 3, k: int = 4, tasks: bool = True) -> RecommendationBatc
         generated_at_ms=1_700_000_000_123,
         model_name="m",
         model_version="v1",
-        timings_ms={"extend": 1.25},
+        timings_ms={"extend": 1.25} if timings else None,
+        generated_ids=gen if generated else None,
+        generated_scores=rng.random((users, 2), dtype=np.float32) if generated else None,
     )
 
 
@@ -48,6 +53,22 @@ def test_encoded_rows_decode_to_the_same_validated_records(fmt: WireFormat, task
         assert first.task_scores is not None and set(first.task_scores) == {"complete", "skip"}
         scores = first.task_scores["skip"]
         assert scores == pytest.approx(batch.task_scores[0, :, 1].tolist())  # type: ignore[index]
+
+
+@pytest.mark.parametrize("fmt", [WireFormat.MSGPACK, WireFormat.JSON])
+@pytest.mark.parametrize(
+    ("tasks", "timings", "generated"),
+    [(False, False, False), (True, False, True), (True, True, True)],
+)
+def test_every_optional_field_encodes_as_the_validated_record(
+    fmt: WireFormat, tasks: bool, timings: bool, generated: bool
+) -> None:
+    # msgpack rows are joined from parts packed once per batch, not packed from maps
+    batch = _batch(tasks=tasks, timings=timings, generated=generated)
+    records = batch.records()
+    assert (records[1].generated is not None) == generated
+    assert (records[1].timings_ms is not None) == timings
+    assert batch.encode(fmt) == [record.to_bytes(fmt) for record in records]
 
 
 def test_rows_that_do_not_line_up_are_rejected() -> None:
