@@ -18,6 +18,7 @@ from streamrec.models.aoti_runtime import AOTIModel, open_aoti_model
 from streamrec.models.checkpoint import Checkpoint, save_checkpoint
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
+from streamrec.models.serving_precision import ServingPrecision
 from streamrec.models.vocabulary import ItemVocabulary
 from streamrec.schemas.events import NUM_ACTIONS
 from tests.models.paged import FakePagedCache
@@ -27,6 +28,9 @@ CACHE_DIR = REPO / ".streamrec-cache" / "test-aoti"
 # The worker's own export settings (k=256, clamped to this catalog), so the worker's
 # model-loader tests find this same package.
 EXPORT = ExportConfig(retrieve_k=256)
+# test_quantization's package: FP8 weights and pool, the entry point that reads and writes both.
+FP8_BOTH = ServingPrecision(kv_dtype="fp8_e4m3", weight_dtype="fp8")
+FP8_EXPORT = ExportConfig(entry_points=("extend",), precision=FP8_BOTH)
 REL_TOL = 1e-5
 
 

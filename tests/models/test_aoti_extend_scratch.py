@@ -21,7 +21,9 @@ from streamrec.pipeline.generator import Generator, GenModel
 from tests.models.aoti_fixtures import CACHE_DIR, REL_TOL, rel_err, tiny_model_dir
 from tests.pipeline.generation_fixtures import CachedUsers, random_hstu
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aoti_prebuilds")]
+# The key of test_aoti_export.py's retrieve package (same model, same k): after that test
+# the fixture below compiles only extend_scratch, in this process, and carries retrieve.
 GENERATION = ExportConfig(entry_points=GENERATION_ENTRY_POINTS, retrieve_k=8)
 
 

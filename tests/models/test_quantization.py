@@ -26,7 +26,7 @@ from streamrec.models.fp8_linear import FP8Linear
 from streamrec.models.hstu import HSTU
 from streamrec.models.quantization import apply_precision, kv_storage_dtype, model_precision
 from streamrec.models.serving_precision import ServingPrecision
-from tests.models.aoti_fixtures import CACHE_DIR, tiny_model_dir
+from tests.models.aoti_fixtures import CACHE_DIR, FP8_BOTH, FP8_EXPORT, tiny_model_dir
 from tests.models.test_hstu import jagged, random_history, random_model, rel_err
 
 PRECISIONS = [
@@ -197,11 +197,12 @@ def test_serving_precision_is_validated_and_keys_only_what_changed() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fp8_prebuilt")
 def test_an_fp8_model_exports_and_its_package_equals_eager(tmp_path: Path) -> None:
     """The fallback path (CPU) in an AOTI package: FP8 weights, FP8 pool read and written;
-    the package is keyed by the precision and checks the pool's dtype."""
-    both = ServingPrecision(kv_dtype="fp8_e4m3", weight_dtype="fp8")
-    config = ExportConfig(entry_points=("extend",), precision=both)
+    the package is keyed by the precision and checks the pool's dtype. It was compiled in
+    the background since the first AOTI test (aoti_prebuild.py), else it compiles here."""
+    both, config = FP8_BOTH, FP8_EXPORT
     model_dir = tiny_model_dir(tmp_path / "m")
     checkpoint = load_checkpoint(model_dir)
     apply_precision(checkpoint.model, both)

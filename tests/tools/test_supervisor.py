@@ -402,6 +402,7 @@ async def test_a_killed_child_is_restarted_and_gets_partitions_back(
         victim = sup.latest("cpu1")
         assert victim is not None and victim.restarts == 0
         os.kill(victim.pid, signal.SIGKILL)  # mid-stream: its uncommitted work is redone
+        killed = time.monotonic()
         await producer
         await wait_until(
             lambda: (s := sup.latest("cpu1")) is not None and s.restarts == 1,
@@ -409,9 +410,13 @@ async def test_a_killed_child_is_restarted_and_gets_partitions_back(
             "the supervisor to restart cpu1",
         )
         await wait_until(lambda: ready(port + 1), 120, "cpu1 to own partitions again")
-        # Records for 15 s more: past the dead member's session timeout (6 s) and the
-        # rebalance that drops it, so the last assignment's partitions all get records.
-        await produce(bootstrap, after, rate=200)
+        # Records until 8 s past the dead member's session timeout (6 s after the kill),
+        # so past the rebalance that drops it, and for 4 s at least: the last assignment's
+        # partitions all get records. (cpu1 is ready 7-10 s after the kill here, so the
+        # 15 s of records at a fixed 200/s that this was mostly ran after both.)
+        session_s = config.kafka.session_timeout_ms / 1000
+        until = max(time.monotonic() + 4.0, killed + session_s + 8.0)
+        await produce(bootstrap, after, rate=len(after) / (until - time.monotonic()))
         await _all_committed(bootstrap, config.group.group_id, topics)
         await wait_until(lambda: _split([port, port + 1], every), 30, "the two to share again")
         assert await _stop(sup, config.group.drain_timeout_s) == 0
