@@ -52,6 +52,35 @@ from streamrec.pipeline.serving_model import GeneratingModel, ServingModel
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Below this size a bucket's padding is a few rows: powers of two suffice.
+FINE_BUCKETS_FROM = 32
+
+
+def bucket_ladder(limit: int, per_octave: int = 4) -> tuple[int, ...]:
+    """Bucket sizes up to the first one >= ``limit``: powers of two to 32, then
+    ``per_octave`` evenly spaced sizes per doubling (4: 40, 48, 56, 64, 80, ...).
+
+    Why: a replay costs what its bucket costs, not what the batch holds, and large steps
+    cost about linearly in their rows (H200, 8L: 4.7 ms at 64 users, 18.6 ms at 256). With
+    powers of two a batch of 137 users ran as 256 (BENCHMARKS.md, issue 13: ~29 ms steps
+    at 5,000 events/s); with 4 per octave it runs as 160, at most 25 % padding above 32.
+    Each bucket is one more graph (captures ~20 ms each; static buffers in the shared pool).
+    """
+    if limit < 1 or per_octave < 1:
+        raise ConfigError(
+            f"bucket_ladder(limit={limit}, per_octave={per_octave}): both must be >= 1"
+        )
+    sizes = [1]
+    while sizes[-1] < limit:
+        last = sizes[-1]
+        if last < FINE_BUCKETS_FROM or per_octave == 1:
+            sizes.append(last * 2)
+        else:
+            octave = 1 << (last.bit_length() - 1)  # the power of two at or below ``last``
+            sizes.append(last + max(1, octave // per_octave))
+    return tuple(sizes)
+
+
 Call = Callable[[], tuple[torch.Tensor, ...]]
 
 
@@ -450,22 +479,23 @@ def capture_serving_graphs(
     max_users: int,
     num_candidates: int,
     retrieve: tuple[int, int, torch.dtype] | None = None,
+    per_octave: int = 4,
 ) -> GraphedModel:
     """``model`` with extend and rank captured now, so no step pays for a capture.
 
-    Buckets are powers of two: extend up to ``max_tokens`` new tokens (a step can carry
-    several events per user), rank up to twice ``max_users`` (the batcher's
-    ``max_batch_users``: the bucket holding it), only when candidates are ranked.
+    Buckets follow ``bucket_ladder``: extend up to ``max_tokens`` new tokens (a step can
+    carry several events per user), rank and retrieve up to the bucket holding
+    ``max_users`` (the batcher's ``max_batch_users``), only when candidates are ranked.
     """
-    buckets = tuple(1 << i for i in range(max_tokens.bit_length()))
-    rank = [b for b in buckets if b < 2 * max_users] if num_candidates else []
+    buckets = tuple(b for b in bucket_ladder(max_tokens, per_octave) if b <= max_tokens)
+    users = list(bucket_ladder(max_users, per_octave))
+    rank = users if num_candidates else []
     config = GraphConfig(
         max_blocks=-(-max_seq_len // cache.config.block_size) + 1,
         num_candidates=max(1, num_candidates),
         buckets=buckets,
     )
     graphed = GraphedModel(model, cache.kv, cache.ts, config)
-    users = [b for b in buckets if b < 2 * max_users]
     graphed.warm_up(
         extend=buckets, rank=rank, retrieve=None if retrieve is None else (users, *retrieve)
     )

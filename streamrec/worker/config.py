@@ -320,9 +320,12 @@ class ModelConfig(Section):
     package (no compile step; on the H200 the AOTI package in CUDA graphs is the faster
     worker path: BENCHMARKS.md, issue 15).
 
-    ``cuda_graphs`` (CUDA, either backend) replays extend and rank as CUDA graphs captured
-    at start for batch buckets of powers of two, up to ``graph_max_tokens`` new tokens per
-    step; larger steps run directly.
+    ``cuda_graphs`` (CUDA, either backend) replays extend, retrieve and rank as CUDA
+    graphs captured at start for batch buckets, up to ``graph_max_tokens`` new tokens per
+    step; larger steps run directly. Buckets are powers of two up to 32, then
+    ``graph_buckets_per_octave`` sizes per doubling (4: 40, 48, 56, 64, 80, ...): a step
+    costs what its bucket costs, so finer buckets waste less on padding (at most 25 % at
+    4) for one more captured graph each (1 = powers of two only).
     """
 
     SECTION: ClassVar[str] = "model"
@@ -333,6 +336,7 @@ class ModelConfig(Section):
     device: str = "auto"
     cuda_graphs: bool = True
     graph_max_tokens: int = 4096
+    graph_buckets_per_octave: int = 4
     weight_dtype: str = "model"  # "fp8": the layers' GEMMs in e4m3 (models/fp8_linear.py)
 
     def _validate(self) -> None:
@@ -340,7 +344,7 @@ class ModelConfig(Section):
         self._one_of("device", DEVICES)
         self._one_of("backend", MODEL_BACKENDS)
         self._one_of("weight_dtype", WEIGHT_DTYPES)
-        self._positive("graph_max_tokens")
+        self._positive("graph_max_tokens", "graph_buckets_per_octave")
 
 
 @dataclass(frozen=True)

@@ -193,4 +193,5 @@ def graphed_serving_model(
         num_candidates=num_candidates,
         # retrieve's k is the candidate pool (the scorer's), its users the model's dtype
         retrieve=(num_candidates, hstu.d_model, hstu.torch_dtype) if num_candidates else None,
+        per_octave=model_cfg.graph_buckets_per_octave,
     )

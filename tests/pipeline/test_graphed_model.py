@@ -15,7 +15,7 @@ import torch
 from streamrec.errors import ConfigError, ModelError
 from streamrec.models.checkpoint import load_checkpoint
 from streamrec.models.config import HSTUConfig
-from streamrec.pipeline.graphed_model import GraphConfig, GraphedModel
+from streamrec.pipeline.graphed_model import GraphConfig, GraphedModel, bucket_ladder
 from streamrec.schemas.events import NUM_ACTIONS
 from tests.models.aoti_fixtures import cuda_aoti_model, make_batch, tiny_aoti_model, tiny_model_dir
 from tests.models.paged import FakePagedCache
@@ -100,6 +100,40 @@ def test_users_without_new_tokens_get_a_bucket_of_their_number() -> None:
     for got, want in zip(graphed.extend(*args), model.extend(*args), strict=True):
         assert got.shape == want.shape and rel_err(got, want) < TOL
     assert graphed.stats.by_bucket == {"extend/8": 1}
+
+
+def test_bucket_ladder_pads_at_most_a_quarter_above_32() -> None:
+    ladder = bucket_ladder(4096)
+    assert ladder[:9] == (1, 2, 4, 8, 16, 32, 40, 48, 56)
+    assert ladder[-1] == 4096 and list(ladder) == sorted(set(ladder))
+    for n in range(33, 4097):  # the bucket a batch of n rows runs as
+        bucket = next(b for b in ladder if b >= n)
+        assert bucket <= 1.25 * n, (n, bucket)
+    assert bucket_ladder(256, per_octave=1) == DEFAULT_POWERS
+    assert bucket_ladder(137)[-1] == 160  # the first bucket holding the limit
+    with pytest.raises(ConfigError, match="per_octave=0"):
+        bucket_ladder(64, per_octave=0)
+
+
+@torch.no_grad()
+def test_a_bucket_between_powers_of_two_pads_like_any_other() -> None:
+    cached, new = [0, 3, 7, 1, 10], [1, 2, 1, 1, 1]  # 6 tokens, 5 users -> bucket 6
+    model, cache, hist, gen = _setup(5, cached)
+    cfg = GraphConfig(
+        max_blocks=model.config.max_seq_len // BLOCK + 2, num_candidates=3,
+        buckets=(1, 2, 4, 5, 6), capture=False,
+    )  # fmt: skip
+    graphed = GraphedModel(model, cache.kv, cache.ts, cfg)
+    args = _extend_args(model, cache, hist, cached, new)
+    for got, want in zip(graphed.extend(*args), model.extend(*args), strict=True):
+        assert got.shape == want.shape and rel_err(got, want) < TOL
+    cand = torch.randint(1, model.config.num_items, (len(cached), 3), generator=gen)
+    rank_args = (cand, args[2][args[3][1:] - 1], cache.kv, cache.ts, args[6], args[7])
+    assert rel_err(graphed.rank(*rank_args), model.rank(*rank_args)) < TOL
+    assert graphed.stats.by_bucket == {"extend/6": 1, "rank/5": 1}
+
+
+DEFAULT_POWERS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def test_config_names_bad_values() -> None:
