@@ -480,6 +480,8 @@ def worker_config(bootstrap: str, w: ReferenceWorkload, ns: argparse.Namespace, 
         sections["batching"] = BatcherConfig(**batching)
         sections["scoring"] = ScoringConfig(**scoring)
         model_extra = {}
+    if ns.graph_buckets_per_octave:
+        model_extra["graph_buckets_per_octave"] = ns.graph_buckets_per_octave
     return wc.WorkerConfig(
         kafka=wc.KafkaConfig(bootstrap, "streamrec-bench", fetch_max_wait_ms=ns.fetch_max_wait_ms),
         group=wc.GroupConfig(group_id="streamrec-worker-bench"),
@@ -639,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="serve the eager step")
+    parser.add_argument(
+        "--graph-buckets-per-octave", type=int, default=0, help="CUDA-graph buckets; 0 = default"
+    )
     parser.add_argument(
         "--host-ceiling",
         action="store_true",
