@@ -480,6 +480,8 @@ def worker_config(bootstrap: str, w: ReferenceWorkload, ns: argparse.Namespace, 
         sections["batching"] = BatcherConfig(**batching)
         sections["scoring"] = ScoringConfig(**scoring)
         model_extra = {}
+    if ns.threads:  # the worker sets its threads at start (model.host_threads)
+        model_extra["host_threads"] = ns.threads
     if ns.graph_buckets_per_octave:
         model_extra["graph_buckets_per_octave"] = ns.graph_buckets_per_octave
     return wc.WorkerConfig(

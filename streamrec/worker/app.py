@@ -41,7 +41,7 @@ from streamrec.worker.http_server import HttpServer, Response
 from streamrec.worker.intake import Intake
 from streamrec.worker.log_scoped_store import LogScopedStore
 from streamrec.worker.metrics import WorkerMetrics
-from streamrec.worker.model_loader import LoadedModel, load_model
+from streamrec.worker.model_loader import LoadedModel, load_model, set_host_threads
 from streamrec.worker.offset_tracker import OffsetTracker, OffsetTrackerStats
 from streamrec.worker.publisher import Publisher
 from streamrec.worker.rebalance import RebalanceListener
@@ -185,6 +185,7 @@ class App:
                 self.config.cache.kv_dtype,
             )
         loaded = self.loaded
+        threads = set_host_threads(self.config.model, loaded.device)
         hstu = loaded.checkpoint.config
         if self._store is None:
             self._store = open_history_store(self.config.store.url, hstu.max_seq_len)
@@ -239,6 +240,7 @@ class App:
                 "backend": loaded.backend,
                 "device": str(loaded.device),
                 "kv_blocks": tiers.cache.pool.num_blocks,
+                "torch_threads": threads,
             },
         )
         return checkpoint, scoped

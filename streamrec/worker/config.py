@@ -337,6 +337,9 @@ class ModelConfig(Section):
     cuda_graphs: bool = True
     graph_max_tokens: int = 4096
     graph_buckets_per_octave: int = 4
+    # torch's intra-op threads in the worker process; 0 = 1 on CUDA, torch's default on the
+    # CPU (model_loader.host_threads says why)
+    host_threads: int = 0
     weight_dtype: str = "model"  # "fp8": the layers' GEMMs in e4m3 (models/fp8_linear.py)
 
     def _validate(self) -> None:
@@ -345,6 +348,7 @@ class ModelConfig(Section):
         self._one_of("backend", MODEL_BACKENDS)
         self._one_of("weight_dtype", WEIGHT_DTYPES)
         self._positive("graph_max_tokens", "graph_buckets_per_octave")
+        self._require(self.host_threads >= 0, "host_threads", "must be >= 0 (0 = automatic)")
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,23 @@ def load_serving_model(
     return model, "aoti"
 
 
+def set_host_threads(model_cfg: ModelConfig, device: torch.device) -> int:
+    """Set torch's intra-op threads for a worker serving on ``device`` and return them:
+    the configured number, else 1 on CUDA and torch's default on the CPU.
+
+    Why 1 on CUDA: the host side of a step is small tensors (block tables, token rows,
+    the results' copy back), yet torch splits a copy of more than 32k elements over every
+    core, and the OpenMP workers then spin between steps. On the H200 host (16 cores) the
+    AOTI worker used 3.5-5.9 cores at 5,000 events/s with 16 threads and 1.1 with one, and
+    only the one-thread run sustained 5,000/s (BENCHMARKS.md, issue 13).
+    """
+    if model_cfg.host_threads:
+        torch.set_num_threads(model_cfg.host_threads)
+    elif device.type == "cuda":
+        torch.set_num_threads(1)
+    return torch.get_num_threads()
+
+
 def load_model(
     model_cfg: ModelConfig,
     scoring: ScoringConfig | None = None,

@@ -18,7 +18,12 @@ from streamrec.models.quantization import model_precision
 from streamrec.models.serving_precision import ServingPrecision
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.worker.config import CacheConfig, ModelConfig
-from streamrec.worker.model_loader import export_config_for, graphed_serving_model, load_model
+from streamrec.worker.model_loader import (
+    export_config_for,
+    graphed_serving_model,
+    load_model,
+    set_host_threads,
+)
 from streamrec.worker.serving_stack import build_tiers
 from tests.models.aoti_fixtures import CACHE_DIR, EXPORT, tiny_model_dir
 
@@ -100,3 +105,16 @@ def test_the_configured_precision_reaches_the_model_and_the_pool(
     assert tiers.cache.kv.dtype == torch.float8_e4m3fn
     with pytest.raises(ConfigError, match=r"cache\.kv_dtype = 'model'"):
         build_tiers(CacheConfig(kv_budget_bytes=1 << 20), loaded)
+
+
+def test_host_threads_are_one_on_cuda_unless_configured() -> None:
+    before = torch.get_num_threads()
+    try:
+        assert set_host_threads(ModelConfig(), torch.device("cpu")) == before  # untouched
+        assert set_host_threads(ModelConfig(), torch.device("cuda")) == 1
+        assert set_host_threads(ModelConfig(host_threads=2), torch.device("cuda")) == 2
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ConfigError, match="host_threads"):
+        ModelConfig(host_threads=-1)
