@@ -397,11 +397,51 @@ async def waves(bench: Bench, phase: str, groups: Sequence[IntArray]) -> Row:
     return bench.row(phase, a, bench.snap(), got if len(groups) == 1 else {"events": events})
 
 
-async def paced(bench: Bench, rate: float, users: IntArray, drain: float) -> Row:
+def gpu_trace(seconds: float, path: Path) -> Row:
+    """What the GPU did for ``seconds`` (CUPTI, every thread's kernels and copies): busy
+    share of the window (merged kernel/copy intervals), the top kernels, a Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time.sleep(seconds)
+    torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, end = 0.0, -1.0
+    for lo, hi in spans:
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    window = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    path.with_suffix(".txt").write_text(table)
+    return {
+        "trace": path.name, "window_ms": round(window / 1000, 1),
+        "gpu_busy_ms": round(busy / 1000, 1),
+        "gpu_busy_pct": round(100 * busy / window, 1) if window else 0.0,
+        "gpu_events": len(spans),
+    }  # fmt: skip
+
+
+async def paced(
+    bench: Bench, rate: float, users: IntArray, drain: float, trace: Path | None = None
+) -> Row:
     start_ms = (time.time() + 0.5) * 1000.0
     ts = (start_ms + np.arange(len(users)) * (1000.0 / rate)).astype(np.int64)
     a = bench.snap() | {"wall": start_ms / 1000.0}  # the schedule's start
     bench.send(Job(users, ts))
+    traced = None
+    if trace is not None:  # 2 s into the schedule, 1.5 s of GPU activity
+        await asyncio.sleep(2.5)
+        try:
+            traced = await asyncio.to_thread(gpu_trace, 1.5, trace)
+        except Exception as exc:  # a bench aid: report, never end the run
+            traced = {"error": repr(exc)}
+        print(f"gpu trace @ {rate:g}/s: {traced}", flush=True)
     await bench.watch(bench.timeout_s, until=float(ts[-1]) / 1000.0)
     lag = bench.produced - bench.samples[-1][1]
     complete = await bench.watch(drain)
@@ -409,6 +449,8 @@ async def paced(bench: Bench, rate: float, users: IntArray, drain: float) -> Row
     kept_up = row["producer_events_per_s"] >= 0.95 * rate
     sustained = complete and kept_up and lag <= _SUSTAINED_LAG_S * rate
     row |= {"rate": rate, "lag_at_end": lag, "lag_at_end_s": round(lag / rate, 3)}
+    if traced is not None:
+        row["gpu_trace"] = traced
     return row | {"complete": complete, "sustained": sustained}
 
 
@@ -504,7 +546,8 @@ async def _phases(bench: Bench, plan: Plan, ns: argparse.Namespace) -> list[Row]
     rows.append(await waves(bench, "throughput", [plan.throughput]))
     _progress(rows[-1])
     for rate, users in plan.rates:
-        rows.append(await paced(bench, rate, users, ns.drain_s))
+        trace = ns.results_dir / f"gpu_trace_{rate:g}.json" if rate in ns.gpu_trace else None
+        rows.append(await paced(bench, rate, users, ns.drain_s, trace))
         _progress(rows[-1])
         if not rows[-1]["complete"]:
             print(f"{rate:g}/s did not drain within {ns.drain_s} s: higher rates skipped")
@@ -643,6 +686,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="serve the eager step")
+    parser.add_argument(
+        "--gpu-trace", type=float, nargs="*", default=[], help="paced rates to trace (CUPTI)"
+    )
     parser.add_argument(
         "--graph-buckets-per-octave", type=int, default=0, help="CUDA-graph buckets; 0 = default"
     )
