@@ -185,18 +185,24 @@ class ModelStep:
         timings.dropped.extend(str(u) for u in admission.dropped)
         fresh = [w for w in work if admission.outcomes[w.user_id] is CacheOutcome.MISS]
         cached = [w for w in work if admission.outcomes[w.user_id] is not CacheOutcome.MISS]
-        emb: dict[str, torch.Tensor] = {}
+        # User embeddings in the order the calls made them; one reorder to ``work``'s at
+        # the end (a torch op per user would release and retake the GIL per user).
+        parts: list[torch.Tensor] = []  # [b, D] each
+        made: list[str] = []
         phases = PhaseTimer(self.device)
         if fresh:
-            emb.update(self._prefill(fresh))
+            for group, group_emb in self._prefill(fresh):
+                parts.append(group_emb)
+                made.extend(w.user_id for w in group)
             timings.tokens_prefilled += sum(int(w.tokens.shape[0]) for w in fresh)
         phases.mark("prefill")
         if cached:
-            emb.update(self._extend(cached))
+            parts.append(self._extend(cached))
+            made.extend(w.user_id for w in cached)
             timings.tokens_extended += sum(int(w.tokens.shape[0]) for w in cached)
         phases.mark("extend")
         users = [w.user_id for w in work]
-        user_emb = torch.stack([emb[u] for u in users])  # [B, D]
+        user_emb = self._in_order(parts, made, users)  # [B, D]
         scored: ScoredUsers = self.scorer.score(
             user_emb,
             [w.recent for w in work],
@@ -251,8 +257,9 @@ class ModelStep:
         )  # [T]
         self.tiers.cache.write(slots, k, v, ts)
 
-    def _prefill(self, work: list[UserWork]) -> dict[str, torch.Tensor]:
-        """One prefill per group of similar history lengths (power-of-two classes).
+    def _prefill(self, work: list[UserWork]) -> list[tuple[list[UserWork], torch.Tensor]]:
+        """One prefill per group of similar history lengths (power-of-two classes): each
+        group with its user embeddings ``[b, D]``.
 
         A dense prefill pads every row to the longest history of its call, and its cost
         grows with the square of that width: grouping keeps a few long users from making
@@ -261,15 +268,16 @@ class ModelStep:
         groups: dict[int, list[UserWork]] = {}
         for w in work:
             groups.setdefault(max(64, int(w.tokens.shape[0]) - 1).bit_length(), []).append(w)
-        emb: dict[str, torch.Tensor] = {}
+        out: list[tuple[list[UserWork], torch.Tensor]] = []
         for _, group in sorted(groups.items()):
             items, actions, ts, offsets = self._jagged(group)
             k, v, user_emb = self.model.prefill(items, actions, ts, offsets)  # [Lyr,T,H,d]
             self._write(group, k, v, ts)
-            emb.update({w.user_id: user_emb[row] for row, w in enumerate(group)})
-        return emb
+            out.append((group, user_emb[: len(group)]))
+        return out
 
-    def _extend(self, work: list[UserWork]) -> dict[str, torch.Tensor]:
+    def _extend(self, work: list[UserWork]) -> torch.Tensor:
+        """The user embeddings ``[B, D]`` of ``work``, in its order."""
         items, actions, ts, offsets = self._jagged(work)
         cache = self.tiers.cache
         tables, lens = cache.batch_tables([w.user_id for w in work])  # [B, MB], [B]
@@ -277,4 +285,15 @@ class ModelStep:
             items, actions, ts, offsets, cache.kv, cache.ts, tables, lens
         )
         self._write(work, k, v, ts)
-        return {w.user_id: user_emb[row] for row, w in enumerate(work)}
+        return user_emb[: len(work)]
+
+    def _in_order(
+        self, parts: list[torch.Tensor], made: list[str], users: list[str]
+    ) -> torch.Tensor:
+        """Rows of ``parts`` (users ``made``, in that order) as ``users`` orders them."""
+        emb = parts[0] if len(parts) == 1 else torch.cat(parts)  # [B, D]
+        if made == users:
+            return emb
+        row = {user: i for i, user in enumerate(made)}
+        order = np.fromiter((row[u] for u in users), np.int64, len(users))  # [B]
+        return emb.index_select(0, to_device(order, emb.device))
