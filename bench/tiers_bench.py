@@ -23,7 +23,10 @@ Two sections, each guarded so a failure in one still writes the other's rows:
   and back via the serving ``ModelStep`` (B=1 steps, 256 candidates): disk -> GPU onload
   GB/s (page cache and cold, after ``posix_fadvise(DONTNEED)``), and the step time of a
   GPU hit, a prefetched disk hit, a disk hit read inside the step (cold) and a miss
-  (prefill of the whole history). Target: a disk hit costs <= 1/5 of a prefill.
+  (prefill of the whole history). Target: a disk hit costs <= 1/5 of a prefill. The disk
+  tier has its default device slots (``DiskTier(device_slots=4)``): a read holding one is
+  copied to the GPU as it lands, so its step only scatters device -> device; the rows say
+  how many of their hits were so device-staged (the 12-user onload: at most 4 of them).
 
     python3 -m bench.tiers_bench [--out DIR]          # H200, ~2 min
     .venv/bin/python -m bench.tiers_bench --smoke     # CPU, tiny shapes, checks the code
@@ -496,6 +499,15 @@ def disk_section(shape: Shape, device: torch.device, directory: Path, rows: Rows
                 finally:
                     os.close(fd)
 
+    staged = {kind: [0, 0] for kind in ("prefetched", "cold")}  # device-staged, hits
+
+    def counted(kind: str, w: UserWork) -> tuple[float, float]:
+        before = disk.stats().device_staged_loads
+        got = timed(w)
+        staged[kind][0] += disk.stats().device_staged_loads - before
+        staged[kind][1] += 1
+        return got
+
     def prefetched_hit(u: str) -> tuple[float, float]:
         to_disk(u)
         tiers.prefetch([u])
@@ -504,12 +516,14 @@ def disk_section(shape: Shape, device: torch.device, directory: Path, rows: Rows
         read.header.result()
         for chunk in read.chunks:
             chunk.result()  # the event arrived ahead of its step: the read is done
-        return timed(work(u, False))
+        # (and with a device slot its chunks' copies to the GPU are queued: timed()'s
+        # device synchronize lets them land, as a step some time after the event would)
+        return counted("prefetched", work(u, False))
 
     def cold_hit(u: str) -> tuple[float, float]:
         to_disk(u)
         cold()
-        return timed(work(u, False))  # read inside the step, from the device
+        return counted("cold", work(u, False))  # read inside the step, from the device
 
     for u in users:
         timed(work(u, True))  # every user built by a prefill of its history
@@ -520,6 +534,7 @@ def disk_section(shape: Shape, device: torch.device, directory: Path, rows: Rows
         if make_cold:
             cold()
         _sync(device)
+        staged_before = disk.stats().device_staged_loads
         t0 = time.perf_counter()
         started = tiers.prefetch(users)
         assert all(v.value == "disk_hit" for v in tiers.settle(users).values())
@@ -530,7 +545,9 @@ def disk_section(shape: Shape, device: torch.device, directory: Path, rows: Rows
         seconds = time.perf_counter() - t0
         rows.append({"section": "disk", "measure": f"onload {len(users)} users, {label}",
                      "prefetched": started, "gb": round(sum(user_bytes) / 1e9, 3),
-                     "gb_s": round(sum(user_bytes) / seconds / 1e9, 2)})  # fmt: skip
+                     "gb_s": round(sum(user_bytes) / seconds / 1e9, 2),
+                     "device_staged": _share(disk.stats().device_staged_loads - staged_before,
+                                             len(users))})  # fmt: skip
         print(rows[-1], flush=True)
     by_kind: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
     for i, u in enumerate([*users[:2], *users]):  # the first two rounds warm kernels up
@@ -555,13 +572,22 @@ def disk_section(shape: Shape, device: torch.device, directory: Path, rows: Rows
                      "cache_ready_ms": round(ready_ms, 3),
                      "ready_vs_prefill": round((ready_ms - gpu[1]) / (miss[1] - gpu[1]), 4),
                      })  # fmt: skip
+        if kind in staged:  # every sample of the kind, warm-up rounds included
+            rows[-1]["device_staged"] = _share(*staged[kind])
         print(rows[-1], flush=True)
     s = disk.stats()
     rows.append({"section": "disk", "measure": "disk tier stats", "fs": _filesystem(directory),
                  "loads": s.loads,
                  "read_gb_s": round(s.read_gb_s, 2), "verify_failures": s.verify_failures,
-                 "writes": s.writes, "sync_writes": s.sync_writes})  # fmt: skip
+                 "writes": s.writes, "sync_writes": s.sync_writes,
+                 "device_slots": s.device_slots, "device_staged_loads": s.device_staged_loads,
+                 "device_staging_mb": round(s.device_staging_bytes / 1e6, 1)})  # fmt: skip
     tiers.close()
+
+
+def _share(part: int, whole: int) -> str:
+    """``yes`` / ``no`` / ``k of n``: how many of the hits were device-staged."""
+    return "yes" if part == whole else "no" if part == 0 else f"{part} of {whole}"
 
 
 def _filesystem(path: Path) -> str:

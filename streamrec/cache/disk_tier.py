@@ -14,7 +14,11 @@ it is done (``store`` / ``discard`` wait), so a file never holds bytes of a reus
 Reads are asynchronous: ``prefetch`` (thread-safe; the engine calls it when it plans a
 batch) reads a file in chunks on a thread pool into a pinned staging slot and checksums
 each chunk as it lands; ``load`` waits for that and verifies; ``onload`` copies the slot
-into fresh GPU blocks (one host→device copy, like the host tier's).
+into fresh GPU blocks (one host→device copy, like the host tier's). On CUDA a read that
+also holds one of the tier's ``device_slots`` copies each checked chunk on to the GPU as it
+lands, so its ``onload`` is a device→device scatter with no host→device copy in the step
+(``device_staging``: the streams and events that order it); without a free device slot,
+or on the CPU, the read is onloaded from the pinned slot as above.
 
 Crash safety. A file is written under a temporary name and renamed when complete. Its
 header carries a magic, the format version, the model version, the KV geometry and dtype,
@@ -36,9 +40,9 @@ import os
 import threading
 import time
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +50,7 @@ import numpy as np
 import torch
 
 from streamrec.cache.block_pool import UserKey
+from streamrec.cache.device_staging import DeviceSlot, DeviceStaging
 from streamrec.cache.host_tier import HostCopy, block_runs
 from streamrec.cache.kv_cache import KVCache, raw
 from streamrec.cache.kv_file import (
@@ -70,8 +75,11 @@ class _Slot:
 
     buf: torch.Tensor  # [capacity] uint8
     view: np.ndarray  # the same memory as NumPy, for preadv
-    copied: torch.cuda.Event | None = None  # the last host->device copy out of it
+    copied: torch.cuda.Event | None = None  # the last host->device copy out of it is done
     one_off: bool = False  # pageable, allocated by a step that found every slot busy
+
+
+_Chunk = tuple[int, float, torch.cuda.Event | None]  # CRC32 as read, finish time, copy
 
 
 @dataclass
@@ -79,9 +87,12 @@ class _Read:
     fd: int
     slot: _Slot
     header: Future[list[int] | None]  # chunk CRCs the header promises, None if invalid
-    chunks: list[Future[tuple[int, float]]]  # (CRC32 of the chunk as read, finish time)
+    chunks: list[Future[_Chunk]]  # the event: the chunk's copy into ``device`` (if any)
     started: float
+    device: DeviceSlot | None = None  # set: chunks are copied on to the GPU as they land
+    copies: list[torch.cuda.Event] = field(default_factory=list)  # once verified
     verified: bool = False
+    scattered: bool = False  # onloaded from ``device``
 
 
 @dataclass
@@ -119,6 +130,7 @@ class DiskTier:
         read_threads: int = 8,
         write_threads: int = 2,
         fsync: bool = False,
+        device_slots: int = 4,
     ) -> None:
         if budget_bytes < file_bytes(cache, max_blocks):
             raise ConfigError(
@@ -130,6 +142,8 @@ class DiskTier:
                 f"disk tier needs staging_users={staging_users}, read_threads={read_threads}, "
                 f"write_threads={write_threads}, max_blocks={max_blocks} all > 0"
             )
+        if device_slots < 0:
+            raise ConfigError(f"disk tier needs device_slots >= 0, got {device_slots}")
         self.cache = cache
         self.directory = Path(directory)
         self.budget_bytes = budget_bytes
@@ -145,10 +159,14 @@ class DiskTier:
         self._kv_block = cfg.bytes_per_block - cfg.block_size * 8  # K/V bytes of one block
         pin = cache.device.type == "cuda"
         capacity = payload_bytes(cache, max_blocks)
-        self._free_slots: list[_Slot] = []
+        self._free_slots: deque[_Slot] = deque()  # freed longest ago first: its copy is done
         for _ in range(staging_users):
             buf = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
             self._free_slots.append(_Slot(buf, buf.numpy()))
+        # GPU buffers a read copies into as it lands (on top of the KV budget); only with
+        # a pinned slot, so more than staging_users would never be used.
+        n_dev = min(device_slots, staging_users) if pin else 0
+        self._staging = DeviceStaging(cache, capacity, n_dev) if n_dev else None
         self._lock = threading.Lock()  # entries and slots: prefetch runs on another thread
         self._entries: OrderedDict[UserKey, _Entry] = OrderedDict()  # oldest write first
         self._writing: set[UserKey] = set()
@@ -160,7 +178,7 @@ class DiskTier:
             (
                 "writes", "bytes_written", "write_failures", "sync_writes", "evictions",
                 "rejects", "prefetches", "late_reads", "waited_reads", "loads", "bytes_read",
-                "verify_failures", "staging_full",
+                "verify_failures", "staging_full", "device_staged_loads", "device_staging_full",
             ),
             0,
         )  # fmt: skip
@@ -327,7 +345,7 @@ class DiskTier:
             if entry is None or entry.write is not None or entry.read is not None:
                 return False
             if self._free_slots:
-                slot = self._free_slots.pop()
+                slot = self._free_slots.popleft()
             elif one_off:
                 buf = torch.empty(payload_bytes(self.cache, entry.n_blocks), dtype=torch.uint8)
                 slot = _Slot(buf, buf.numpy(), one_off=True)
@@ -338,15 +356,22 @@ class DiskTier:
                 fd = os.open(entry.path, os.O_RDONLY)
             except OSError:
                 fd = -1  # the header read reports the file as invalid
+            device = None
+            if self._staging is not None and not slot.one_off:
+                device = self._staging.take()
+                if device is None:
+                    self._n["device_staging_full"] += 1  # onloaded from the pinned slot
             started = time.perf_counter()
             header = self._readers.submit(self._read_header, fd, user, entry)
             payload = payload_bytes(self.cache, entry.n_blocks)
             chunks = [
-                self._readers.submit(self._read_chunk, fd, slot, lo, min(payload, lo + CHUNK_BYTES))
+                self._readers.submit(
+                    self._read_chunk, fd, slot, device, lo, min(payload, lo + CHUNK_BYTES)
+                )
                 for lo in range(0, payload, CHUNK_BYTES)
             ]
             # Published whole: ``load`` on the engine thread reads it without the lock.
-            entry.read = _Read(fd, slot, header, chunks, started)
+            entry.read = _Read(fd, slot, header, chunks, started, device)
             self._n["prefetches" if not one_off else "late_reads"] += 1
         return True
 
@@ -368,12 +393,13 @@ class DiskTier:
         if read.fd >= 0:
             os.close(read.fd)
             read.fd = -1
-        if expected is None or expected != [crc for crc, _ in chunks]:
+        if expected is None or expected != [crc for crc, _, _ in chunks]:
             self._n["verify_failures"] += 1
             self.discard(user)
             return False
+        read.copies = [copy for _, _, copy in chunks if copy is not None]
         read.verified = True
-        finished = max((end for _, end in chunks), default=read.started)
+        finished = max((end for _, end, _ in chunks), default=read.started)
         self._read_s += finished - read.started
         return True
 
@@ -390,6 +416,14 @@ class DiskTier:
                 f"onload of user {user!r} needs {n - skip_blocks} GPU blocks, got {len(gpu_blocks)}"
             )
         cfg, cache = self.cache.config, self.cache
+        if read.device is not None and self._staging is not None and gpu_blocks:
+            # Every chunk was copied to the device slot (load waited for the copies to be
+            # queued): a device->device scatter after them, nothing from the host.
+            done = self._staging.scatter(read.device, read.copies, n, skip_blocks, gpu_blocks)
+            read.slot.copied = done  # the chunk copies out of the pinned slot came before
+            read.scattered = True
+            self._n["device_staged_loads"] += 1
+            return self._onloaded(user, entry, skip_blocks)
         kv = read.slot.buf[: n * self._kv_block].view(cfg.dtype)
         kv = kv.view(n, cfg.num_layers, 2, cfg.block_size, cfg.num_heads, cfg.head_dim)
         ts = read.slot.buf[n * self._kv_block : n * cfg.bytes_per_block].view(torch.int64)
@@ -400,12 +434,15 @@ class DiskTier:
             # (FP8 codes as their bytes: index_copy_ has no FP8 kernel)
             raw(cache.kv).index_copy_(2, ids, raw(kv_dev).movedim(0, 2))  # [Lyr,2,NB,BS,H,d]
             cache.ts.index_copy_(0, ids, ts[skip_blocks:].to(cache.device, non_blocking=True))
-        if cache.device.type == "cuda":
+        if cache.device.type == "cuda" and read.device is None:
             read.slot.copied = torch.cuda.Event()
             read.slot.copied.record()
+        return self._onloaded(user, entry, skip_blocks)
+
+    def _onloaded(self, user: UserKey, entry: _Entry, skip_blocks: int) -> int:
         self._n["loads"] += 1
-        self._n["bytes_read"] += payload_bytes(cache, n)
-        length = max(0, entry.length - skip_blocks * cfg.block_size)
+        self._n["bytes_read"] += payload_bytes(self.cache, entry.n_blocks)
+        length = max(0, entry.length - skip_blocks * self.cache.block_size)
         self.discard(user)
         return length
 
@@ -426,16 +463,23 @@ class DiskTier:
             return None
         return crcs
 
-    def _read_chunk(self, fd: int, slot: _Slot, lo: int, hi: int) -> tuple[int, float]:
-        """Read payload bytes ``[lo, hi)`` into the slot: (their CRC32 or -1, finish time)."""
+    def _read_chunk(
+        self, fd: int, slot: _Slot, device: DeviceSlot | None, lo: int, hi: int
+    ) -> _Chunk:
+        """Read payload bytes ``[lo, hi)`` into the slot (and copy them on to ``device``):
+        (their CRC32 or -1, finish time, the device copy's event)."""
         if fd < 0:
-            return -1, time.perf_counter()
+            return -1, time.perf_counter(), None
         if slot.copied is not None:
             slot.copied.synchronize()  # the previous user's host->device copy is done
         view = memoryview(slot.view[lo:hi])  # type: ignore[arg-type]
         if not read_into(fd, view, HEADER_BYTES + lo):
-            return -1, time.perf_counter()
-        return zlib.crc32(view), time.perf_counter()
+            return -1, time.perf_counter(), None
+        crc = zlib.crc32(view)
+        copy = None
+        if device is not None and self._staging is not None:  # verified or not: load decides
+            copy = self._staging.copy_chunk(device, slot.buf, lo, hi)
+        return crc, time.perf_counter(), copy
 
     # ------------------------------------------------------------------ release
 
@@ -466,6 +510,10 @@ class DiskTier:
             if read.fd >= 0:
                 os.close(read.fd)
                 read.fd = -1
+            if read.device is not None and self._staging is not None:
+                if not read.scattered:  # its chunk copies still read the pinned slot
+                    read.slot.copied = self._staging.abandon(read.device, read.slot.copied)
+                self._staging.give(read.device)
             if not read.slot.one_off:
                 self._free_slots.append(read.slot)
             entry.read = None
@@ -480,6 +528,8 @@ class DiskTier:
             self.discard(user)
         self._readers.shutdown(wait=True)
         self._writers.shutdown(wait=True)
+        if self._staging is not None:
+            self._staging.close()
         with contextlib.suppress(OSError):
             self._wipe()
 
@@ -503,6 +553,10 @@ class DiskTier:
             read_seconds=self._read_s,
             verify_failures=n["verify_failures"],
             staging_full=n["staging_full"],
+            device_slots=0 if self._staging is None else self._staging.slots,
+            device_staging_bytes=0 if self._staging is None else self._staging.nbytes,
+            device_staged_loads=n["device_staged_loads"],
+            device_staging_full=n["device_staging_full"],
         )
 
     def _entry(self, user: UserKey) -> _Entry:

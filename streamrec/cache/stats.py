@@ -76,6 +76,12 @@ class DiskTierStats:
     read_seconds: float  # from read start to its last chunk, summed over loads
     verify_failures: int  # torn, truncated, foreign or stale files: answered as misses
     staging_full: int  # prefetches refused for want of a staging slot
+    # Device staging (CUDA): reads copied on to GPU buffers as they land, so the step's
+    # onload is a device->device scatter. The buffers come on top of the KV budget.
+    device_slots: int = 0
+    device_staging_bytes: int = 0  # GPU memory the device slots hold
+    device_staged_loads: int = 0  # loads scattered from a device slot (no copy in the step)
+    device_staging_full: int = 0  # reads that found no device slot free (pinned-slot onload)
 
     @property
     def occupancy(self) -> float:

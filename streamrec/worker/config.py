@@ -283,6 +283,9 @@ class CacheConfig(Section):
     disk_tier_bytes: int = 0
     disk_tier_dir: Path = Path(".streamrec-cache/disk-kv")
     disk_tier_fsync: bool = False
+    # GPU buffers of one max-length user each that disk reads are copied into as they land
+    # (no host->device copy in the step); on top of the KV budget. 0 = none.
+    disk_tier_device_slots: int = 4
     kv_dtype: str = "model"  # "fp8_e4m3": K/V as e4m3 codes, half the bytes (models/fp8.py)
 
     def _validate(self) -> None:
@@ -308,6 +311,7 @@ class CacheConfig(Section):
             "needs a host tier in front of it (host_tier_bytes > 0)",
         )
         self._require(str(self.disk_tier_dir) != "", "disk_tier_dir", "must not be empty")
+        self._require(self.disk_tier_device_slots >= 0, "disk_tier_device_slots", "must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,7 @@ def build_tiers(c: CacheConfig, loaded: LoadedModel) -> KVTiers:
             loaded.checkpoint.version,
             max_blocks=-(-hstu.max_seq_len // c.block_size),
             fsync=c.disk_tier_fsync,
+            device_slots=c.disk_tier_device_slots,  # GPU memory on top of the KV budget
         )
     elif c.disk_tier_bytes > 0:
         log.warning("cache.disk_tier_bytes is set but there is no host tier (CPU): no disk tier")
