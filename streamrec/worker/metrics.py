@@ -117,6 +117,11 @@ class WorkerMetrics:
             "Disk-tier files that failed their checks (torn, stale): answered as misses",
             registry=r,
         )
+        self.disk_tier_device_staged_loads = Counter(
+            p + "disk_tier_device_staged_loads",
+            "Disk hits whose bytes reached the GPU before their step (a device-side scatter)",
+            registry=r,
+        )
         self.retrieval_set_coverage = Gauge(
             p + "retrieval_set_coverage",
             "Share of new events whose item the retrievable set held (catalogue past the GPU)",
@@ -324,6 +329,7 @@ class WorkerMetrics:
             self._sync_moved("disk", "out", disk.bytes_written)
             self._sync_moved("disk", "in", disk.bytes_read)
             self._sync_plain(self.disk_tier_verify_failures, disk.verify_failures)
+            self._sync_plain(self.disk_tier_device_staged_loads, disk.device_staged_loads)
             self.disk_tier_bytes.set(disk.bytes_used)
         if store is not None:
             self._sync(self.cache_hits, "history", store.get_hits)

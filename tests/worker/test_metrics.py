@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from streamrec.cache.stats import BlockPoolStats, HostTierStats, KVTiersStats
+from streamrec.cache.stats import BlockPoolStats, DiskTierStats, HostTierStats, KVTiersStats
 from streamrec.pipeline.generator import GenerationStats
 from streamrec.worker.metrics import WorkerMetrics
 
@@ -88,6 +88,27 @@ def test_tier_series_exist_only_for_tiers_the_worker_has() -> None:
     gpu.sync_caches(KVTiersStats(4, 1, 2, 0, pool_stats(), host_stats()), None)
     assert tier_labels(gpu) == {"gpu", "host"}
     assert gpu.sample("streamrec_cache_misses_total", {"tier": "gpu"}) == 3.0
+
+
+def disk_stats(verify_failures: int, staged: int) -> DiskTierStats:
+    return DiskTierStats(
+        budget_bytes=1 << 30, bytes_used=1 << 20, users=2, writes=3, bytes_written=1 << 20,
+        write_failures=0, sync_writes=0, evictions=0, rejects=0, prefetches=3, late_reads=0,
+        waited_reads=0, loads=3, bytes_read=1 << 20, read_seconds=0.1,
+        verify_failures=verify_failures, staging_full=0, device_slots=4,
+        device_staging_bytes=1 << 26, device_staged_loads=staged,
+    )  # fmt: skip
+
+
+def test_disk_tier_failures_and_device_staged_loads_are_counted_once() -> None:
+    metrics = WorkerMetrics()
+    metrics.set_model("hstu", "v1", "eager", "cuda")
+    for staged in (2, 5, 5):  # cumulative snapshots: the counter follows, never double counts
+        tiers = KVTiersStats(4, 1, 2, 0, pool_stats(), host_stats(), 1, disk_stats(1, staged))
+        metrics.sync_caches(tiers, None)
+    assert metrics.sample("streamrec_disk_tier_device_staged_loads_total") == 5.0
+    assert metrics.sample("streamrec_disk_tier_verify_failures_total") == 1.0
+    assert metrics.sample("streamrec_disk_tier_bytes") == float(1 << 20)
 
 
 def test_invalid_counts_sum_the_topics_by_kind() -> None:
