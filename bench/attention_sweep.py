@@ -4,9 +4,11 @@
 times, in CUDA-graph replay (device time only):
 
 - ``extend``: the decode kernel for n = 1, 4, 16 new tokens per user (each token against
-  its user's 2,048 cached keys and the user's new keys up to itself), launch shapes
-  swept at n = 1. ``kv_pct_copy`` is one read of every user's cached K/V against the
-  measured copy bandwidth (the decode target, ≥ 85 % at batch 64).
+  its user's 2,048 cached keys and the user's new keys up to itself): at n = 1 the
+  one-token body, its launch shapes swept; at n = 4, 16 the tensor-core chunks (a user's
+  tokens share each cached key tile), their shape swept (launch ``...-m16n16``: tokens
+  per chunk, keys per tile). ``kv_pct_copy`` is one read of every user's cached K/V
+  against the measured copy bandwidth (the decode target, ≥ 85 % at batch 64).
 - ``rank``: the key-bias and candidate kernels (256 candidates per user, their own key
   folded in), launch shapes swept; ``tflop_s`` counts the two GEMMs (the target, ≥ 400
   at batch 64).
@@ -15,7 +17,9 @@ times, in CUDA-graph replay (device time only):
   device time and the number of kernels launched.
 - ``baseline`` rows (with ``--baseline-kernels``): the previous kernels as the model used
   them, in the same run: the old decode kernel plus the dense ``[T, T]`` new-token
-  attention for extend; the old candidate kernel plus the separate self term for rank.
+  attention for extend (or, given a later ``paged_attention.py`` whose decode kernel
+  takes the new tokens itself, that kernel alone); the old candidate kernel plus the
+  separate self term for rank (that file's, when it has one).
 
 Each row carries the relative error of its output against the fp32 dense reference.
 The model is HSTU-8L's layer shape with one layer and a small catalog: the kernels read
@@ -26,6 +30,7 @@ set-up time.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +40,7 @@ from bench.h200_common import Batch, build_model, graphed, pct, time_ms
 from bench.reference_config import HSTU_8L, SPEEDUP_HISTORY_LEN
 from streamrec.models import candidate_attention as ca
 from streamrec.models import fused_layer as fl
+from streamrec.models import multi_query_attention as mqa
 from streamrec.models import paged_attention as pa
 from streamrec.models.attention import self_attention_term
 from streamrec.models.hstu import HSTU, HSTULayer, NewTokenGeometry
@@ -49,6 +55,9 @@ EXTEND_VARIANTS: list[tuple[int, int, int, bool]] = [
     (32, 4, 2048, True), (64, 2, 1024, False), (32, 4, 512, True), (32, 4, 4096, True),
     (64, 4, 4096, True),
 ]  # fmt: skip
+# (new tokens, key tile) of the decode kernel's tensor-core chunks, timed at n > 1; the
+# first is the op's default (multi_query_attention.py).
+CHUNK_VARIANTS: list[tuple[int, int]] = [(mqa.CHUNK_M, mqa.CHUNK_N), (16, 32), (16, 64), (32, 16)]
 # (block_m, block_n, warps, stages, target programs); the first is the op's default.
 RANK_VARIANTS: list[tuple[int, int, int, int, int]] = [
     (ca.CAND_BLOCK_M, ca.CAND_BLOCK_N, ca.CAND_WARPS, ca.CAND_STAGES, ca.CAND_TARGET_PROGRAMS),
@@ -150,11 +159,21 @@ def extend_rows(
         calls: list[tuple[str, str, Callable[[], torch.Tensor]]] = []
         if baseline is not None:
             calls.append(("baseline", "previous", _baseline_extend(lay, x, baseline)))
-        variants = EXTEND_VARIANTS if n == 1 and not quick else EXTEND_VARIANTS[:3]
+        if n == 1:  # every chunk is one token: the vector body's launch shapes
+            variants = EXTEND_VARIANTS[:3] if quick else EXTEND_VARIANTS
+            chunks = CHUNK_VARIANTS[:1]
+        else:  # the tensor-core chunks' shape at the default vector launch
+            variants = EXTEND_VARIANTS[:1]
+            chunks = CHUNK_VARIANTS[:2] if quick else CHUNK_VARIANTS
         for var in variants:
-            launch = "x".join(str(int(v)) for v in var)
-            calls.append(("triton", launch, _bind(pa.launch_decode, *head, *body, *var[:3],
-                                                   True, var[3])))  # fmt: skip
+            for block_m, chunk_n in chunks:
+                launch = "x".join(str(int(v)) for v in var)
+                if n > 1:
+                    launch += f"-m{block_m}n{chunk_n}"
+                calls.append(("triton", launch, _bind(
+                    pa.launch_decode, *head, *body, *var[:3], True, var[3], None, block_m,
+                    chunk_n,
+                )))  # fmt: skip
         for impl, launch, call in calls:
             timed = _timed(call, f"extend n={n} {launch}")
             if timed is None:
@@ -180,8 +199,15 @@ def _baseline_extend(
     lay: SweepLayer, x: dict[str, torch.Tensor], old: Any
 ) -> Callable[[], torch.Tensor]:
     """What extend did per layer before: the old decode kernel over the cache (fp32 out,
-    cast) plus the new tokens among each other as one dense [T, T] over the batch."""
+    cast) plus the new tokens among each other as one dense [T, T] over the batch; or,
+    for a ``paged_attention.py`` whose decode kernel takes the new tokens itself (b056ebb
+    up to the one-program-per-token kernel before the tensor-core chunks), that kernel
+    as the op ran it."""
     pos, ts, users = x["pos"], x["ts"], x["users"]
+    if "q_start" in inspect.signature(old.launch_decode).parameters:
+        head = (x["q"], pos, ts, users, x["first"], x["k"], x["v"])
+        return _bind(old.launch_decode, *head, lay.k_cache, lay.v_cache,
+                     *lay.tail_with(x["lens"]), lay.n)  # fmt: skip
     rel = (pos.unsqueeze(1) - pos.unsqueeze(0)).unsqueeze(0)  # [1, T, T]
     dt = (ts.unsqueeze(1) - ts.unsqueeze(0)).unsqueeze(0)  # [1, T, T]
     mask = (users.unsqueeze(1) == users.unsqueeze(0)) & (rel[0] >= 0)

@@ -58,6 +58,7 @@ from bench.reference_config import ReferenceWorkload as Workload
 from streamrec.cache.block_pool import NoRoom
 from streamrec.cache.host_tier import HostTier
 from streamrec.models import candidate_attention as ca
+from streamrec.models import multi_query_attention as mqa
 from streamrec.models import paged_attention as pa
 from streamrec.models import prefill_kernels as pfk
 from streamrec.models.aoti_export import ExportConfig, export_model
@@ -494,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         "history": SPEEDUP_HISTORY_LEN,
         "launch": {
             "decode": (pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.TARGET_PROGRAMS, pa.DECODE_ACC2D),
+            "decode_chunk": (mqa.CHUNK_M, mqa.CHUNK_N),
             "candidates": (
                 ca.CAND_BLOCK_M,
                 ca.CAND_BLOCK_N,

@@ -1,4 +1,4 @@
-"""The prefill kernels compiled for the H200 (sm_90a) without a GPU: resources per launch.
+"""The fused kernels compiled for the H200 (sm_90a) without a GPU: resources per launch.
 
 Triton's wheel ships ptxas, cuobjdump and nvdisasm, so a kernel can be compiled for
 Hopper on any machine: this prints, per launch shape, the registers per thread, the spill
@@ -8,7 +8,16 @@ key tile). It is how the default launch of ``streamrec.models.prefill_kernels`` 
 chosen before any device time. Needs Triton with its NVIDIA backend (``/work/triton-venv``
 here); ~15 s per shape on two cores.
 
+``--kernel decode``: the decode kernel of ``extend`` (its one-token and tensor-core
+bodies in one kernel, ``paged_attention.py``) per launch shape and pool dtype, with the
+programs per SM its registers and shared memory allow (the one-token body is
+memory-bound: fewer programs per SM, fewer loads in flight); ``--inductor`` types the
+symbolic integers and the floats as AOTInductor passes them (int64, fp64). A compile
+that fails here (a loop-carried type error, say) fails on the GPU too, where the
+interpreter passes it.
+
     PYTHONPATH=$PWD /work/triton-venv/bin/python -m bench.kernel_resources
+    PYTHONPATH=$PWD /work/triton-venv/bin/python -m bench.kernel_resources --kernel decode
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from streamrec.models import multi_query_attention as mqa
+from streamrec.models import paged_attention as pa
 from streamrec.models import prefill_kernels as pfk
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -52,6 +63,55 @@ def compile_prefill(launch: tuple[int, ...], dtype: str = "bf16", heads: int = 4
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=H200, options={"num_warps": warps, "num_stages": stages})
+
+
+# (block_n, warps, acc2d, chunk tokens, chunk key tile): the op's default first, then the
+# shapes bench/attention_sweep.py times.
+DECODE_LAUNCHES = (
+    (pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.DECODE_ACC2D, mqa.CHUNK_M, mqa.CHUNK_N),
+    (16, 4, True, 16, 16), (64, 4, True, 16, 16), (32, 2, True, 16, 16), (64, 2, False, 16, 16),
+    (32, 4, True, 16, 32), (32, 4, True, 32, 16),
+)  # fmt: skip
+DECODE_INDEX = ("q_pos_ptr", "q_ts_ptr", "q_user_ptr", "q_start_ptr", "ts_pool_ptr", "lens_ptr",
+                "edges_ptr")  # fmt: skip
+SYMBOLIC = ("num_queries", "max_blocks", "keys_per_split", "ws_stride")
+
+
+def compile_decode(launch: tuple[Any, ...], dtype: str = "bf16", kv_fp8: bool = False,
+                   inductor: bool = False, heads: int = 4, head_dim: int = 128) -> Any:  # fmt: skip
+    """The decode kernel at the HSTU-8L reference shape (N = 4,096, 32 time buckets), its
+    integer arguments divisible by 16 as at batch 64; ``kv_fp8``: an e4m3 pool."""
+    block_n, warps, acc2d, block_m, chunk_n = launch
+    fn = pa._decode_kernel
+    kv = "*fp8e4nv" if kv_fp8 else f"*{dtype}"
+    types = {name: f"*{dtype}" for name in ("q_ptr", "kn_ptr", "vn_ptr", "pos_bias_ptr",
+                                             "time_bias_ptr", "out_ptr")}  # fmt: skip
+    floats = "fp64" if inductor else "fp32"  # (Inductor passes Python floats as fp64)
+    types.update({name: "*i64" for name in DECODE_INDEX}, k_ptr=kv, v_ptr=kv,
+                 tables_ptr="*i32", kv_scale_ptr="*fp32" if kv_fp8 else "*i64",
+                 ws_ptr="*fp32", ticket_ptr="*i32", scale=floats, inv_divisor=floats)  # fmt: skip
+    symbolic = "i64" if inductor else "i32"
+    signature: dict[str, str] = {}
+    for p in fn.params:
+        ints = symbolic if p.name in SYMBOLIC else "i32"
+        signature[p.name] = "constexpr" if p.is_constexpr else types.get(p.name, ints)
+    constants = dict(
+        H=heads, D=head_dim, NUM_POS=4096, NUM_TIME=32, NT_P2=32, BLOCK_M=block_m,
+        BLOCK_N=block_n, CHUNK_N=chunk_n, SCAN=mqa.TOKEN_SCAN, ACC2D=acc2d,
+        IEEE=dtype == "fp32", FAST=dtype != "fp32", KV_FP8=kv_fp8,
+    )  # fmt: skip
+    aligned = [name for name, kind in signature.items() if kind[0] in "*i"]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=H200, options={"num_warps": warps})
+
+
+def programs_per_sm(row: dict[str, Any], warps: int) -> int:
+    """Resident programs per H200 SM: 64K registers (8 per thread granules), 228 KB of
+    shared memory (1 KB per block reserved), 64 warps."""
+    regs = -(-int(row["regs"]) // 8) * 8
+    smem = float(row["smem_kb"]) * 1024 + 1024
+    return min(65536 // (regs * 32 * warps), int(233472 // smem), 64 // warps, 32)
 
 
 def _loop_lengths(sass: str) -> list[int]:
@@ -104,7 +164,11 @@ def resources(kernel: Any) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--kernel", default="prefill", choices=["prefill", "decode"])
+    parser.add_argument("--inductor", action="store_true", help="decode: int64 symbolic ints")
     args = parser.parse_args(argv)
+    if args.kernel == "decode":
+        return decode_main(args.dtype, args.inductor)
     for launch in pfk.PREFILL_LAUNCHES:
         try:
             row = resources(compile_prefill(launch, args.dtype))
@@ -116,6 +180,24 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{k} {v}" for k, v in row.items())
         )
     return 0
+
+
+def decode_main(dtype: str, inductor: bool) -> int:
+    """Every decode launch over a pool of ``dtype`` and (bf16) of FP8 codes."""
+    failed = 0
+    for kv_fp8 in (False, True) if dtype == "bf16" else (False,):
+        for launch in DECODE_LAUNCHES:
+            label = f"decode {'x'.join(str(int(v)) for v in launch)} {'fp8' if kv_fp8 else dtype}"
+            try:
+                row = resources(compile_decode(launch, dtype, kv_fp8, inductor))
+            except Exception as exc:  # a compile error the interpreter does not see
+                print(f"{label}: {type(exc).__name__}: {exc}"[:2000])
+                failed += 1
+                continue
+            row.pop("key_loop_sass")  # (mma.sync, not the HGMMA loops it counts)
+            row["programs_per_sm"] = programs_per_sm(row, int(launch[1]))
+            print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

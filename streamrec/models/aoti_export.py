@@ -76,6 +76,8 @@ MODEL_CODE = (
     "streamrec.models.hstu",
     "streamrec.models.attention",
     "streamrec.models.paged_attention",
+    "streamrec.models.paged_tiles",
+    "streamrec.models.multi_query_attention",
     "streamrec.models.candidate_attention",
     "streamrec.models.fused_layer",
     "streamrec.models.prefill_attention",

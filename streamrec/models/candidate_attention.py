@@ -12,10 +12,10 @@ through ``tl.dot``; the candidate's own key (relative position 0, dt 0) is added
 program of the first key range, so ``rank`` needs no separate self-attention term.
 
 Key ranges and their combination work as in ``paged_attention.py`` (the shared helpers
-live there): a partial per range in a workspace, the last range stores the sum in the
-input dtype. An FP8 pool (``kv_scale``) is read as e4m3 codes, converted to the model
-dtype in registers (exact) for the tensor-core dots; the head's power-of-two scales go
-into the score scale (K) and into the accumulator after the cached keys (V).
+live in ``paged_tiles.py``): a partial per range in a workspace, the last range stores the
+sum in the input dtype. An FP8 pool (``kv_scale``) is read as e4m3 codes, converted to the
+model dtype in registers (exact) for the tensor-core dots; the head's power-of-two scales
+go into the score scale (K) and into the accumulator after the cached keys (V).
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ try:  # Triton ships with CUDA builds of torch only.
     import triton
     import triton.language as tl
 
-    from streamrec.models.paged_attention import (
+    from streamrec.models.paged_tiles import (
+        dot_k_scale,
+        dot_tile_kv,
         finish_tile,
         silu_over_n,
-        tile_blocks,
-        tile_kv,
     )
 except ImportError:  # pragma: no cover - exercised on the CPU CI machine
     triton = None
@@ -195,18 +195,12 @@ if triton is not None:
         q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=cmask[:, None], other=0.0)
         table_row = tables_ptr + user * max_blocks
         bias_row = kbias_ptr + (user * H + h) * span
-        if KV_FP8:  # noqa: SIM108 ((q . code) s scale = q . (code s) scale, exactly: s = 2^e)
-            k_scale = (scale * tl.load(kv_scale_ptr + h)).to(tl.float32)
-        else:
-            k_scale = scale
+        k_scale = dot_k_scale(scale, kv_scale_ptr, h, KV_FP8)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         for start in range(k_start, k_end, BLOCK_N):
-            blk = tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
-            k, v = tile_kv(start, k_end, blk, block_size, h, k_ptr, v_ptr, stride_kv_block,
-                           stride_kv_slot, D, BLOCK_N)  # fmt: skip
-            if KV_FP8:  # e4m3 codes in the model dtype (exact) for the dots
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
+            _, k, v = dot_tile_kv(start, k_end, table_row, block_size, h, k_ptr, v_ptr,
+                                  stride_kv_block, stride_kv_slot, q, D, BLOCK_N,
+                                  KV_FP8)  # fmt: skip
             keys = start + tl.arange(0, BLOCK_N)  # [BN]
             bias = tl.load(bias_row + keys, mask=keys < k_end, other=0.0)  # [BN] fp32
             if IEEE:  # noqa: SIM108 (Triton resolves a constexpr if, not a ternary)

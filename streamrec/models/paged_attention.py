@@ -7,12 +7,24 @@ materialises the ``[queries × keys]`` score tensor in HBM; on the H200 that lef
 the step's bandwidth to scores instead of K/V (issue 8). The kernel here walks each user's
 block table, keeps scores in registers and accumulates in fp32.
 
-``paged_silu_attention``: one query (a new token, with its own position and timestamp) ×
-one head × one range of keys per program, vector math, memory-bound. A query of user b
-first iterates b's cached keys through the block table, then (the program of the first
-key range only) b's own new keys of this call up to itself, read from the jagged K/V of
-the step: a user with n new tokens costs n programs over the same cached rows (which the
-neighbouring programs share through L2), never a ``[T, T]`` over the batch (issue 13).
+``paged_silu_attention``: one program per chunk of a user's new tokens (at most
+CHUNK_M = 16 consecutive tokens, each with its own position and timestamp) × one head ×
+one range of keys. The chunk first iterates the user's cached keys through the block
+table, then (the program of the first key range only) the user's own new keys of this
+call up to each token, read from the jagged K/V of the step; never a ``[T, T]`` over the
+batch (issue 13). A chunk of one token (every user of a one-event step) runs the vector
+body, memory-bound; a longer one runs the tensor-core body of
+``multi_query_attention.py``, where the chunk's tokens share each cached K/V tile (a user
+with n new tokens used to cost n programs over the same cached rows, issue 13 item 4).
+
+One kernel with a runtime branch on the chunk's size, not two kernels: the grid depends
+on shapes only (the op exports), so both kernels would run in every call, each finding
+its chunks among the same program ids and idling on the others: the one-token step
+would pay a second launch of idle programs (a few µs, against 13 µs for the whole
+decode at batch 1). The price of one kernel is its resources: ptxas allocates for both
+bodies, so the tensor-core body is kept narrow (16-key tiles) until the kernel has the
+one-token body's 128 registers (bf16, 4 warps: 4 programs per SM, as before;
+``bench/kernel_resources.py --kernel decode``).
 
 Keys are cut into ranges when the batch alone would leave the GPU idle: SiLU attention
 has no softmax, so the partial sums of key ranges simply add. Each range writes its fp32
@@ -23,7 +35,8 @@ integer edges held in registers (no dependent table loads in the key loop). Grid
 on shapes only, never on tensor values, so the op exports: ``triton_op`` + ``wrap_triton``
 keep it as one graph node and AOTInductor packages the kernel. Without Triton (the CPU CI
 machine) only the torch reference exists and ``triton_available()`` is False. The
-candidate kernel of ``rank`` lives in ``candidate_attention.py`` and shares the helpers.
+candidate kernel of ``rank`` lives in ``candidate_attention.py``; the ``@triton.jit``
+helpers both use are in ``paged_tiles.py``.
 
 An FP8 pool (``kv_scale`` given: the layer's ``[2, H]`` scales, models/fp8.py) is read
 as e4m3 codes, half the bytes of bf16, and dequantized in registers at no extra cost: a
@@ -43,10 +56,28 @@ from torch._subclasses.fake_tensor import is_fake
 from streamrec.errors import ModelError
 from streamrec.models.attention import relative_bias, silu_attention
 from streamrec.models.fp8 import check_kv_scale, dequantize, gather_blocks
+from streamrec.models.multi_query_attention import (
+    CHUNK_M,
+    CHUNK_N,
+    TOKEN_SCAN,
+    busy_programs,
+    chunk_programs,
+)
 
 try:  # Triton ships with CUDA builds of torch only.
     import triton
     import triton.language as tl
+
+    from streamrec.models.multi_query_attention import multi_query_chunk, token_chunk
+    from streamrec.models.paged_tiles import (
+        finish_tile,
+        key_bias,
+        silu_over_n,
+        tile_blocks,
+        tile_kv,
+        tile_ts,
+        time_table,
+    )
 except ImportError:  # pragma: no cover - exercised on the CPU CI machine
     triton = None
     tl = None
@@ -200,120 +231,6 @@ def next_pow2(n: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def tile_blocks(start, k_end, table_row, block_size, BLOCK_N: tl.constexpr):
-        """Pool block of each key start..start+BLOCK_N (0 past ``k_end``), int64 [BN]."""
-        keys = start + tl.arange(0, BLOCK_N)  # [BN]
-        kmask = keys < k_end
-        return tl.load(table_row + keys // block_size, mask=kmask, other=0).to(tl.int64)
-
-    @triton.jit
-    def tile_kv(
-        start,
-        k_end,
-        blk,
-        block_size,
-        h,
-        k_ptr,
-        v_ptr,
-        stride_kv_block,
-        stride_kv_slot,
-        D: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        """K, V [BN, D] of one cached key tile, given its blocks [BN].
-
-        Keys past ``k_end`` read as zeros: a zero V row adds nothing to the output, so the
-        score loop needs no per-element mask (and NaN in an unwritten slot never loads).
-        """
-        keys = start + tl.arange(0, BLOCK_N)  # [BN]
-        kmask = keys < k_end
-        rows = blk * stride_kv_block + (keys % block_size) * stride_kv_slot + h * D  # [BN]
-        offs = rows[:, None] + tl.arange(0, D)[None, :]  # [BN, D]
-        k = tl.load(k_ptr + offs, mask=kmask[:, None], other=0.0)
-        v = tl.load(v_ptr + offs, mask=kmask[:, None], other=0.0)
-        return k, v
-
-    @triton.jit
-    def tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N: tl.constexpr):
-        """Timestamps [BN] of one cached key tile (0 past ``k_end``)."""
-        keys = start + tl.arange(0, BLOCK_N)  # [BN]
-        kmask = keys < k_end
-        return tl.load(ts_pool_ptr + blk * block_size + keys % block_size, mask=kmask, other=0)
-
-    @triton.jit
-    def silu_over_n(s, inv_divisor, FAST: tl.constexpr):
-        """silu(s) / N in fp32. FAST (bf16/fp16 inputs): ``silu(s) = h + h·tanh(h)`` with
-        h = s/2 and one ``tanh.approx`` (one special-function op instead of an exp and a
-        division; its 2^-11 relative error is below the bf16 rounding that follows)."""
-        if FAST:
-            t = tl.inline_asm_elementwise(
-                "tanh.approx.f32 $0, $1;", "=f,f", [(s * 0.5).to(tl.float32)], dtype=tl.float32,
-                is_pure=True,
-                pack=1,
-            )  # fmt: skip
-            # (the kernels cast their scalars to fp32 at entry; the cast keeps it so)
-            c = (s * 0.5 * inv_divisor).to(tl.float32)
-            return c * t + c
-        else:
-            return (s * tl.sigmoid(s) * inv_divisor).to(tl.float32)
-
-    @triton.jit
-    def key_bias(
-        rel, kmask, dt, h, pos_bias_ptr, edges, tb_delta, tb0, H: tl.constexpr,
-        NUM_POS: tl.constexpr,
-    ):  # fmt: skip
-        """rab of one query against a tile of keys (relative positions ``rel``, time
-        gaps ``dt`` [BN]), fp32 [BN].
-
-        The time bucket is ``bucketize(|dt|, edges, right=True)`` = the number of edges
-        <= |dt|, so ``time_bias[bucket] = time_bias[0] + Σ_{edge <= |dt|} Δ`` with
-        Δ[e] = time_bias[e+1] - time_bias[e] held in registers: exact integer bucketing
-        and no load that waits on the bucket. (A gather of ``time_bias[bucket]`` instead
-        made the memory-bound decode kernel ~3x slower on the H200: one more dependent
-        load per key tile.)
-        """
-        dt = tl.where(dt < 0, -dt, dt)  # [BN]
-        t_bias = tb0 + tl.sum(tl.where(dt[:, None] >= edges[None, :], tb_delta[None, :], 0.0), 1)
-        rel = tl.minimum(tl.maximum(rel, 0), NUM_POS - 1)
-        p_bias = tl.load(pos_bias_ptr + rel * H + h, mask=kmask, other=0.0).to(tl.float32)
-        return t_bias + p_bias
-
-    @triton.jit
-    def time_table(time_bias_ptr, edges_ptr, h, H: tl.constexpr, NUM_TIME: tl.constexpr,
-                    NT_P2: tl.constexpr):  # fmt: skip
-        """Bucket edges (int64 max past the last: never matched), Δ per edge, bias[0]."""
-        e = tl.arange(0, NT_P2)
-        emask = e < NUM_TIME - 1
-        edges = tl.load(edges_ptr + e, mask=emask, other=9223372036854775807)  # [NT_P2]
-        lo = tl.load(time_bias_ptr + e * H + h, mask=emask, other=0.0).to(tl.float32)
-        hi = tl.load(time_bias_ptr + (e + 1) * H + h, mask=emask, other=0.0).to(tl.float32)
-        tb0 = tl.load(time_bias_ptr + h).to(tl.float32)
-        return edges, hi - lo, tb0
-
-    @triton.jit
-    def finish_tile(acc, offs, mask, out_ptr, ws_ptr, ticket_ptr, split, num_splits, ws_stride):
-        """Store one program's fp32 ``acc`` at ``out[offs]`` (the output's dtype).
-
-        With several key ranges each program parks its partial in the workspace slab of
-        its range; the last of a tile's ranges to take a ticket adds all slabs in range
-        order (deterministic) and stores the sum. The barrier orders every thread's
-        partial before the ticket; the ticket is acquire-release at GPU scope and the
-        slabs are read past L1 (``.cg``).
-        """
-        if num_splits == 1:
-            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(ws_ptr + split.to(tl.int64) * ws_stride + offs, acc, mask=mask)
-            tl.debug_barrier()
-            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:
-                total = tl.zeros_like(acc)
-                for s in range(0, num_splits):  # (s · ws_stride < the workspace: no overflow)
-                    part = ws_ptr + s * ws_stride + offs
-                    total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
     def _decode_tile(
         acc, q, k, v, rel, kmask, dt, h, pos_bias_ptr, edges, tb_delta, tb0, inv_divisor,
         H: tl.constexpr, NUM_POS: tl.constexpr, ACC2D: tl.constexpr, FAST: tl.constexpr,
@@ -349,6 +266,7 @@ if triton is not None:
         out_ptr,  # [G, H, D] in q's dtype
         ws_ptr,  # [splits, G, H, D] fp32 partials (when splits > 1)
         ticket_ptr,  # [G, H] int32, zeroed (when splits > 1)
+        num_queries,
         max_blocks,
         block_size,
         keys_per_split,
@@ -364,72 +282,97 @@ if triton is not None:
         NUM_POS: tl.constexpr,
         NUM_TIME: tl.constexpr,
         NT_P2: tl.constexpr,
+        BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        CHUNK_N: tl.constexpr,
+        SCAN: tl.constexpr,
         ACC2D: tl.constexpr,
+        IEEE: tl.constexpr,
         FAST: tl.constexpr,
         KV_FP8: tl.constexpr,
     ):
-        """One new token x one head x one key range: cached keys, then (range 0) the
-        user's new keys up to the token itself."""
+        """One chunk of a user's new tokens x one head x one key range: cached keys, then
+        (range 0) the user's new keys up to each token. A chunk of one token runs the
+        vector body below, a longer one ``multi_query_chunk``."""
         # Inductor (AOTI) passes Python floats as fp64 scalars: fp32 once, not per key.
         scale = tl.cast(scale, tl.float32)
         inv_divisor = tl.cast(inv_divisor, tl.float32)
-        g = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         split = tl.program_id(2)
         num_splits = tl.num_programs(2)
-        user = tl.load(q_user_ptr + g).to(tl.int64)
-        n_keys = tl.load(lens_ptr + user).to(tl.int32)
-        # Inductor types a symbolic int as int64, which made the key loop and each key's
-        # block // and % 64-bit (the kernel ran 10 % slower in the package): int32 here.
-        k_start = split * tl.cast(keys_per_split, tl.int32)
-        k_end = tl.minimum(n_keys, k_start + tl.cast(keys_per_split, tl.int32))
-        offs_d = tl.arange(0, D)
-        # Inductor passes Python floats as fp64 scalars: every product is cast to fp32.
-        q = (tl.load(q_ptr + g * stride_q + h * D + offs_d).to(tl.float32) * scale).to(tl.float32)
-        if KV_FP8:  # noqa: SIM108 (q . (code * s) = (q * s) . code, exactly: s = 2^e)
-            q_cached = (q * tl.load(kv_scale_ptr + h)).to(tl.float32)
-        else:
-            q_cached = q
-        pos = tl.load(q_pos_ptr + g).to(tl.int32)
-        ts_q = tl.load(q_ts_ptr + g)
-        edges, tb_delta, tb0 = time_table(time_bias_ptr, edges_ptr, h, H, NUM_TIME, NT_P2)
-        table_row = tables_ptr + user * max_blocks
-        if ACC2D:
-            acc = tl.zeros((BLOCK_N, D), dtype=tl.float32)
-        else:
-            acc = tl.zeros((D,), dtype=tl.float32)
-        for start in range(k_start, k_end, BLOCK_N):
-            blk = tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
-            k, v = tile_kv(start, k_end, blk, block_size, h, k_ptr, v_ptr, stride_kv_block,
-                            stride_kv_slot, D, BLOCK_N)  # fmt: skip
-            k_ts = tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N)
-            keys = start + tl.arange(0, BLOCK_N)  # [BN]
-            acc = _decode_tile(acc, q_cached, k, v, pos - keys, keys < k_end, ts_q - k_ts, h,
-                               pos_bias_ptr, edges, tb_delta, tb0, inv_divisor, H, NUM_POS,
-                               ACC2D, FAST)  # fmt: skip
-        if KV_FP8:  # Σ w (code * s) = s Σ w code: the V scale once, before the new keys
-            acc = acc * tl.load(kv_scale_ptr + H + h)
-        if split == 0:  # this call's own tokens of the user: q_start[g] .. g
-            # (names of their own: a name the key loop above assigned would be carried
-            # into this loop with the key loop's types, int32 keys against int64 here)
-            for first in range(tl.load(q_start_ptr + g), g + 1, BLOCK_N):
-                tokens = first + tl.arange(0, BLOCK_N)  # [BN] token indices
-                tmask = tokens <= g
-                offs = (tokens * stride_new + h * D)[:, None] + offs_d[None, :]  # [BN, D]
-                kn = tl.load(kn_ptr + offs, mask=tmask[:, None], other=0.0)
-                vn = tl.load(vn_ptr + offs, mask=tmask[:, None], other=0.0)
-                t_ts = tl.load(q_ts_ptr + tokens, mask=tmask, other=0)
-                t_pos = tl.load(q_pos_ptr + tokens, mask=tmask, other=0).to(tl.int32)
-                acc = _decode_tile(acc, q, kn, vn, pos - t_pos, tmask, ts_q - t_ts, h,
-                                   pos_bias_ptr, edges, tb_delta, tb0, inv_divisor, H,
-                                   NUM_POS, ACC2D, FAST)  # fmt: skip
-        if ACC2D:  # noqa: SIM108 (Triton resolves a constexpr if, not a ternary)
-            out = tl.sum(acc, 0)  # [D]
-        else:
-            out = acc
-        finish_tile(out, (g * H + h) * D + offs_d, offs_d < D, out_ptr, ws_ptr,
-                ticket_ptr + g * H + h, split, num_splits, ws_stride)  # fmt: skip
+        num_queries = tl.cast(num_queries, tl.int32)
+        user, lead, row0, rows = token_chunk(
+            tl.program_id(0), q_user_ptr, q_start_ptr, num_queries, BLOCK_M, SCAN
+        )
+        if rows > 0:
+            n_keys = tl.load(lens_ptr + user).to(tl.int32)
+            # Inductor types a symbolic int as int64, which made the key loop and each key's
+            # block // and % 64-bit (the kernel ran 10 % slower in the package): int32 here.
+            k_start = split * tl.cast(keys_per_split, tl.int32)
+            k_end = tl.minimum(n_keys, k_start + tl.cast(keys_per_split, tl.int32))
+            table_row = tables_ptr + user.to(tl.int64) * max_blocks
+            # (each body loads its own part of the time table: loaded here for both, held
+            # across the branch, it took the kernel from 128 to 144 registers when the
+            # none of the integer arguments was divisible by 16, bench/kernel_resources.py)
+            if rows == 1:
+                edges, tb_delta, tb0 = time_table(time_bias_ptr, edges_ptr, h, H, NUM_TIME, NT_P2)
+                g = row0.to(tl.int64)
+                offs_d = tl.arange(0, D)
+                # Inductor passes Python floats as fp64 scalars: every product is cast to fp32.
+                q = (tl.load(q_ptr + g * stride_q + h * D + offs_d).to(tl.float32) * scale).to(
+                    tl.float32
+                )
+                if KV_FP8:  # noqa: SIM108 (q . (code * s) = (q * s) . code, exactly: s = 2^e)
+                    q_cached = (q * tl.load(kv_scale_ptr + h)).to(tl.float32)
+                else:
+                    q_cached = q
+                pos = tl.load(q_pos_ptr + g).to(tl.int32)
+                ts_q = tl.load(q_ts_ptr + g)
+                if ACC2D:
+                    acc = tl.zeros((BLOCK_N, D), dtype=tl.float32)
+                else:
+                    acc = tl.zeros((D,), dtype=tl.float32)
+                for start in range(k_start, k_end, BLOCK_N):
+                    blk = tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
+                    k, v = tile_kv(start, k_end, blk, block_size, h, k_ptr, v_ptr,
+                                   stride_kv_block, stride_kv_slot, D, BLOCK_N)  # fmt: skip
+                    k_ts = tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N)
+                    keys = start + tl.arange(0, BLOCK_N)  # [BN]
+                    acc = _decode_tile(acc, q_cached, k, v, pos - keys, keys < k_end,
+                                       ts_q - k_ts, h, pos_bias_ptr, edges, tb_delta, tb0,
+                                       inv_divisor, H, NUM_POS, ACC2D, FAST)  # fmt: skip
+                if KV_FP8:  # Σ w (code * s) = s Σ w code: the V scale once, before the new keys
+                    acc = acc * tl.load(kv_scale_ptr + H + h)
+                if split == 0:  # this call's own tokens of the user: q_start[g] .. g
+                    # (names of their own: a name the key loop above assigned would be
+                    # carried into this loop with the key loop's types, int32 keys against
+                    # int64 here)
+                    for first in range(tl.load(q_start_ptr + g), g + 1, BLOCK_N):
+                        tokens = first + tl.arange(0, BLOCK_N)  # [BN] token indices
+                        tmask = tokens <= g
+                        offs = (tokens * stride_new + h * D)[:, None] + offs_d[None, :]  # [BN, D]
+                        kn = tl.load(kn_ptr + offs, mask=tmask[:, None], other=0.0)
+                        vn = tl.load(vn_ptr + offs, mask=tmask[:, None], other=0.0)
+                        t_ts = tl.load(q_ts_ptr + tokens, mask=tmask, other=0)
+                        t_pos = tl.load(q_pos_ptr + tokens, mask=tmask, other=0).to(tl.int32)
+                        acc = _decode_tile(acc, q, kn, vn, pos - t_pos, tmask, ts_q - t_ts, h,
+                                           pos_bias_ptr, edges, tb_delta, tb0, inv_divisor, H,
+                                           NUM_POS, ACC2D, FAST)  # fmt: skip
+                if ACC2D:  # noqa: SIM108 (Triton resolves a constexpr if, not a ternary)
+                    out = tl.sum(acc, 0)  # [D]
+                else:
+                    out = acc
+                finish_tile(out, (g * H + h) * D + offs_d, offs_d < D, out_ptr, ws_ptr,
+                        ticket_ptr + g * H + h, split, num_splits, ws_stride)  # fmt: skip
+            else:  # the tensor-core body (multi_query_attention.py)
+                multi_query_chunk(
+                    row0, rows, lead, k_start, k_end, h, split, num_splits, table_row,
+                    q_ptr, q_pos_ptr, q_ts_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ts_pool_ptr,
+                    pos_bias_ptr, time_bias_ptr, edges_ptr, kv_scale_ptr, out_ptr, ws_ptr,
+                    ticket_ptr, block_size, stride_q, stride_new, stride_kv_block,
+                    stride_kv_slot, ws_stride, scale, inv_divisor, H, D, NUM_POS, NUM_TIME,
+                    NT_P2, BLOCK_M, CHUNK_N, IEEE, FAST, KV_FP8,
+                )  # fmt: skip
 
     def launch_decode(
         q: torch.Tensor,
@@ -454,30 +397,38 @@ if triton is not None:
         fast: bool = True,
         acc2d: bool = DECODE_ACC2D,
         kv_scale: torch.Tensor | None = None,
+        block_m: int = CHUNK_M,
+        chunk_n: int = CHUNK_N,
     ) -> torch.Tensor:
         """The decode kernel with an explicit launch shape (the op uses the defaults;
-        bench/h200_bench.py sweeps them); an FP8 pool with ``kv_scale [2, H]``. Returns
-        [G, H, d] in q's dtype."""
+        bench/h200_bench.py sweeps them); an FP8 pool with ``kv_scale [2, H]``. A chunk of
+        ``block_m`` new tokens of one user runs over key tiles of ``chunk_n``, one token
+        over tiles of ``block_n``. Returns [G, H, d] in q's dtype."""
         q, k_new, v_new = head_rows(q), head_rows(k_new), head_rows(v_new)
         num_queries, num_heads, head_dim = q.shape
+        num_users = cached_lens.shape[0]
         block_size = ts_pool.shape[1]
         max_blocks = block_tables.shape[1]
         span = max_blocks * block_size
-        splits = num_splits(num_queries * num_heads, span, block_n, target_programs)
+        tile = max(block_n, chunk_n)  # key ranges of whole tiles of both bodies
+        busy = busy_programs(num_users, num_queries, block_m)
+        splits = num_splits(busy * num_heads, span, tile, target_programs)
         per_split = (span + splits - 1) // splits
-        per_split = (per_split + block_n - 1) // block_n * block_n
+        per_split = (per_split + tile - 1) // tile * tile
         outputs = num_queries * num_heads * head_dim
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         ws, tickets = split_buffers(splits, outputs, num_queries * num_heads, q.device)
-        torch.library.wrap_triton(_decode_kernel)[(num_queries, num_heads, splits)](
+        grid = (chunk_programs(num_users, num_queries, block_m), num_heads, splits)
+        torch.library.wrap_triton(_decode_kernel)[grid](
             q, q_pos, q_ts, q_user, q_start, k_new, v_new, k_cache, v_cache, ts_pool,
             block_tables, cached_lens, pos_bias, time_bias, edges,
-            q_pos if kv_scale is None else kv_scale, out, ws, tickets,
+            q_pos if kv_scale is None else kv_scale, out, ws, tickets, num_queries,
             max_blocks, block_size, per_split, q.stride(0), k_new.stride(0),
             k_cache.stride(0), k_cache.stride(1), outputs, 1.0 / math.sqrt(head_dim),
             1.0 / divisor, H=num_heads, D=head_dim, NUM_POS=pos_bias.shape[0],
             NUM_TIME=time_bias.shape[0], NT_P2=next_pow2(max(2, time_bias.shape[0] - 1)),
-            BLOCK_N=block_n, ACC2D=acc2d, FAST=fast_silu_allowed(fast, q),
+            BLOCK_M=block_m, BLOCK_N=block_n, CHUNK_N=chunk_n, SCAN=TOKEN_SCAN, ACC2D=acc2d,
+            IEEE=q.dtype == torch.float32, FAST=fast_silu_allowed(fast, q),
             KV_FP8=kv_scale is not None, num_warps=num_warps,
         )  # fmt: skip
         return out
@@ -553,10 +504,11 @@ def fused_token_attention(
     divisor: int,
     kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The step's new tokens q, k_new, v_new [T, H, d] (jagged by user) against their
-    user's cache ``kv_layer [2, NB, BS, H, d]`` and each other, causally. An FP8 pool
-    needs the layer's ``kv_scale [2, H]``; the new keys/values are then their cached
-    (dequantized) form."""
+    """The step's new tokens q, k_new, v_new [T, H, d] (jagged by user: each user's tokens
+    contiguous, users ascending, ``q_start`` the first token of each token's user, as
+    ``extend`` lays them out) against their user's cache ``kv_layer [2, NB, BS, H, d]``
+    and each other, causally. An FP8 pool needs the layer's ``kv_scale [2, H]``; the new
+    keys/values are then their cached (dequantized) form."""
     check_inputs(q, kv_layer[0], kv_scale)
     # The kernel indexes these as dense rows (a sliced block table would be read with the
     # wrong row stride, silently): a no-op for the step's own contiguous tensors.

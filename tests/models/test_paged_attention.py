@@ -3,7 +3,9 @@
 CPU tests pin the references to the model's own torch attention and check the backend
 switch; ``gpu`` tests run the Triton kernels (default and swept launch shapes) at batch
 1…256 with cached lengths of 0, block boundaries and multi-split lengths, 0…40 new
-tokens per user (decode) and the candidates' own keys (rank). The same ``gpu`` tests run
+tokens per user (decode: one-token chunks on the vector body, longer ones on tensor
+cores, each user checked on its own in ``test_multi_token_users_match_the_reference``)
+and the candidates' own keys (rank). The same ``gpu`` tests run
 on the CPU interpreter at small shapes (fp32 only):
 
     TRITON_INTERPRET=1 PYTHONPATH=$PWD /work/triton-venv/bin/python -m pytest \
@@ -33,6 +35,7 @@ from streamrec.models.candidate_attention import (
 )
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
+from streamrec.models.multi_query_attention import CHUNK_M, busy_programs, chunk_programs
 from streamrec.models.paged_attention import (
     check_inputs,
     fast_silu_allowed,
@@ -135,9 +138,12 @@ def make_case(
     device: str,
     seed: int,
     head_dim: int = 64,
+    max_gap: int = 10**8,
 ) -> Case:
     """Random non-contiguous blocks per user, NaN in every unwritten slot; ``queries``
-    per user (one count for all, or one per user; rank needs one for all)."""
+    per user (one count for all, or one per user; rank needs one for all). Cached keys
+    lie up to ``max_gap`` ms apart from the history's start; the queries ~10^11 ms after
+    it."""
     gen = torch.Generator().manual_seed(seed)
     heads, block_size, num_pos, num_time = 2, 16, 4096, 32
     counts = [queries] * len(lens) if isinstance(queries, int) else list(queries)
@@ -156,7 +162,7 @@ def make_case(
             [blocks[i // block_size] * block_size + i % block_size for i in range(n)],
             dtype=torch.int64,
         )
-        gaps = torch.randint(0, 10**8, (n,), generator=gen)
+        gaps = torch.randint(0, max_gap, (n,), generator=gen)
         kv.view(2, -1, heads, head_dim)[:, slots] = torch.randn(
             2, n, heads, head_dim, generator=gen
         )
@@ -208,6 +214,35 @@ def new_token_counts(batch: int, seed: int, cap: int = 40) -> list[int]:
     rng = random.Random(seed + 1)
     fixed = [1, 0, cap, 16, 17, 2, 0, 31]
     return [fixed[i] if i < len(fixed) else rng.randint(0, cap) for i in range(batch)]
+
+
+# New tokens per user of the multi-query cases: idle, one (the vector body), a chunk of 2,
+# a partial chunk, a full chunk and a chunk of one, three chunks (16 + 16 + 8).
+MIXED_COUNTS = [0, 1, 2, 5, 17, 40]
+
+
+def mixed_case(device: str, seed: int, copies: int = 1) -> Case:
+    """MIXED_COUNTS (``copies`` times) over caches past a block, empty, short, past
+    several key ranges and long, in scattered blocks; keys up to 1.5·10^9 ms apart, so
+    the last ones come close to the new tokens and key tiles straddle time buckets."""
+    lens = [70, 0, 33, 257, 0, 130] if not ON_GPU else [700, 0, 33, 2049, 0, 1100]
+    return make_case(lens * copies, MIXED_COUNTS * copies, rank=False, device=device,
+                     seed=seed, max_gap=1_500_000_000)  # fmt: skip
+
+
+def per_user_errors(c: Case, got: torch.Tensor, want: torch.Tensor) -> list[float]:
+    """rel_err of each user that has new tokens (a small user cannot hide in the total)."""
+    return [
+        rel_err(got[c.users == b], want[c.users == b])
+        for b in range(c.lens.shape[0])
+        if bool((c.users == b).any())
+    ]
+
+
+def decode_args(c: Case) -> tuple[object, ...]:
+    """launch_decode's leading arguments for a decode case."""
+    return (c.q, c.pos, c.ts, c.users, c.q_start, c.k_new, c.v_new, c.kv[0], c.kv[1],
+            c.ts_pool, c.tables, c.lens, c.pos_bias, c.time_bias, c.edges, c.divisor)  # fmt: skip
 
 
 # ------------------------------------------------------------------------ CPU
@@ -279,6 +314,28 @@ def test_candidate_reference_is_the_model_candidate_attention() -> None:
         case.first(case.ts), pool, case.ts_pool, case.tables, case.lens,
     )  # fmt: skip
     assert rel_err(case.reference(), want.reshape(case.q.shape)) < 1e-6
+
+
+def test_chunk_layout_fits_the_shape_only_grid() -> None:
+    """The decode grid's chunk ids (multi_query_attention's layout, written out here) are
+    disjoint and below ``chunk_programs`` for any counts, and exactly B when every user
+    has one token (the one-token grid of before, no idle program)."""
+    rng = random.Random(0)
+    sizes = [0, 0, 1, 1, 2, 5, 15, 16, 17, 33, 40]
+    for trial in range(2000):
+        counts = [rng.choice(sizes) for _ in range(rng.randint(1, 9))]
+        if trial % 7 == 0:
+            counts = [1] * len(counts)
+        ids, first = [], 0
+        for b, n in enumerate(counts):
+            base = (first + (CHUNK_M - 1) * b) // CHUNK_M
+            ids += [base + c for c in range(-(-n // CHUNK_M))]
+            first += n
+        grid = chunk_programs(len(counts), sum(counts))
+        assert len(set(ids)) == len(ids) and all(0 <= i < grid for i in ids), counts
+        assert busy_programs(len(counts), sum(counts)) >= 1
+        if all(n == 1 for n in counts):
+            assert grid == len(counts) == len(ids)
 
 
 def test_backend_switch_on_cpu() -> None:
@@ -376,23 +433,57 @@ def test_long_histories_and_splits(rank: bool, monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("target", [1, 64, 4096])  # one key range, a few, one tile each
+def test_multi_token_users_match_the_reference(
+    dtype: torch.dtype, target: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Users with 0/1/2/5/17/40 new tokens in one call: one-token chunks on the vector
+    body, longer ones on tensor cores (a user's tokens share each cached key tile), each
+    user against the reference; with several key ranges the sum is bit-identical from
+    run to run."""
+    from streamrec.models import paged_attention as pa
+
+    device = kernel_device(monkeypatch)
+    if dtype != torch.float32:
+        _cuda_only()
+    exact = mixed_case(device, seed=21, copies=8 if ON_GPU else 1)
+    c = exact.to(dtype)
+    want = c.to(torch.float32).reference()  # fp32 math on the (rounded) inputs
+    launch = (pa.DECODE_BLOCK_N, pa.DECODE_WARPS, target)
+    got = pa.launch_decode(*decode_args(c), *launch)  # type: ignore[arg-type]
+    errors = per_user_errors(c, got, want)
+    print(f"{dtype} target={target}: worst user rel err {max(errors):.2e}")
+    if dtype == torch.float32:
+        assert max(errors) < FP32_TOL
+    else:
+        assert rel_err(got, want) < BF16_TOL
+        assert rel_err(got, want) <= 2 * rel_err(c.reference(), want) + 1e-4
+    if target > 1:
+        assert torch.equal(got, pa.launch_decode(*decode_args(c), *launch))  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
 def test_decode_launch_variants_and_determinism(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every launch shape the sweep tries gives the reference; one key range or many
-    (the last range to finish adds the partials in a fixed order: bit-identical)."""
+    """Every launch shape the sweep tries gives the reference (the vector body's key tile
+    and warps, the tensor-core chunk's tokens and key tile); one key range or many (the
+    last range to finish adds the partials in a fixed order: bit-identical)."""
     device = kernel_device(monkeypatch)
     from streamrec.models import paged_attention as pa
 
     c = make_case([0, 17, 40, 33], [2, 0, 19, 1], rank=False, device=device, seed=11)
     want = c.reference()
-    args = (c.q, c.pos, c.ts, c.users, c.q_start, c.k_new, c.v_new, c.kv[0], c.kv[1],
-            c.ts_pool, c.tables, c.lens, c.pos_bias, c.time_bias, c.edges, c.divisor)  # fmt: skip
-    for block_n, warps, target, acc2d in [
-        (16, 2, 1, False), (32, 4, 1, True), (64, 2, 4096, False), (16, 4, 4096, True),
+    args = decode_args(c)
+    for block_n, warps, target, acc2d, chunk in [
+        (16, 2, 1, False, (16, 16)), (32, 4, 1, True, (16, 32)), (64, 2, 4096, False, (32, 16)),
+        (16, 4, 4096, True, (16, 64)), (32, 4, 64, True, (64, 16)),
     ]:  # fmt: skip
-        got = pa.launch_decode(*args, block_n, warps, target, True, acc2d)
-        assert rel_err(got, want) < FP32_TOL, (block_n, warps, target, acc2d)
+        run = (block_n, warps, target, True, acc2d)
+        got = pa.launch_decode(*args, *run, block_m=chunk[0], chunk_n=chunk[1])  # type: ignore[arg-type]
+        assert rel_err(got, want) < FP32_TOL, (run, chunk)
         if target > 1:
-            assert torch.equal(got, pa.launch_decode(*args, block_n, warps, target, True, acc2d))
+            again = pa.launch_decode(*args, *run, block_m=chunk[0], chunk_n=chunk[1])  # type: ignore[arg-type]
+            assert torch.equal(got, again)
 
 
 @pytest.mark.gpu
