@@ -57,9 +57,8 @@ from streamrec.worker.serving_stack import (
 log = logging.getLogger(__name__)
 
 _FETCH_TIMEOUT_MS: Final = 100
-# The engine thread drops the GIL at every torch call and a CUDA wait; to take it back it
-# must wait for the event loop to yield it, up to the switch interval (5 ms by default),
-# which stalls the step's next launch while the GPU idles. 0.5 ms bounds that stall.
+# The engine thread drops the GIL in CUDA waits and graph replays; taking it back waits for
+# the loop to yield it, up to the switch interval (5 ms by default): 0.5 ms bounds that.
 GIL_SWITCH_INTERVAL_S: Final = 0.0005
 
 
@@ -185,7 +184,7 @@ class App:
                 self.config.cache.kv_dtype,
             )
         loaded = self.loaded
-        threads = set_host_threads(self.config.model, loaded.device)
+        set_host_threads(self.config.model, loaded.device)
         hstu = loaded.checkpoint.config
         if self._store is None:
             self._store = open_history_store(self.config.store.url, hstu.max_seq_len)
@@ -240,7 +239,6 @@ class App:
                 "backend": loaded.backend,
                 "device": str(loaded.device),
                 "kv_blocks": tiers.cache.pool.num_blocks,
-                "torch_threads": threads,
             },
         )
         return checkpoint, scoped

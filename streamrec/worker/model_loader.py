@@ -138,6 +138,7 @@ def set_host_threads(model_cfg: ModelConfig, device: torch.device) -> int:
         torch.set_num_threads(model_cfg.host_threads)
     elif device.type == "cuda":
         torch.set_num_threads(1)
+    log.info("torch threads", extra={"threads": torch.get_num_threads(), "device": str(device)})
     return torch.get_num_threads()
 
 
