@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -351,13 +351,22 @@ def layer_gemm_rows(lay: SweepLayer) -> list[dict[str, object]]:
 
 
 def sweep_batch(
-    model: HSTU, batch: int, ceil: dict[str, float], baseline: Any = None, quick: bool = False
+    model: HSTU,
+    batch: int,
+    ceil: dict[str, float],
+    baseline: Any = None,
+    quick: bool = False,
+    ops: Sequence[str] = ("extend", "rank", "layer"),
 ) -> list[dict[str, object]]:
-    """Every extend and rank row of one batch size (the pool is freed afterwards)."""
+    """The extend, rank and layer rows (``ops``) of one batch size (the pool is freed
+    afterwards)."""
     lay = SweepLayer(model, batch)
-    rows = extend_rows(lay, ceil, baseline, quick) + rank_rows(lay, ceil, baseline, quick)
-    rows += layer_rows(lay)
-    if batch >= 16:  # rank's row counts: where the GEMM, not the launch, is the cost
+    rows = extend_rows(lay, ceil, baseline, quick) if "extend" in ops else []
+    if "rank" in ops:
+        rows += rank_rows(lay, ceil, baseline, quick)
+    if "layer" in ops:
+        rows += layer_rows(lay)
+    if "layer" in ops and batch >= 16:  # rank's row counts: where the GEMM is the cost
         rows += layer_gemm_rows(lay)
     del lay
     torch.cuda.empty_cache()

@@ -29,6 +29,7 @@ import argparse
 import json
 import time
 import types
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,12 @@ def load_baseline(path: str) -> Any:
 
 
 def kernel_section(
-    quick: bool, ceil: dict[str, float], baseline: Any = None, prefill: bool = True
+    quick: bool,
+    ceil: dict[str, float],
+    baseline: Any = None,
+    prefill: bool = True,
+    batches: Sequence[int] = (1, 8, 64),
+    ops: Sequence[str] = ("extend", "rank", "layer"),
 ) -> list[dict[str, object]]:
     """The fused kernels alone on one layer's pool, launch shapes swept, vs the previous
     kernels (``bench/attention_sweep.py``): extend with 1, 4, 16 new tokens per user
@@ -93,8 +99,8 @@ def kernel_section(
     (candidate kernel, TFLOP/s), each checked against the fp32 dense reference."""
     rows: list[dict[str, object]] = []
     model = sweep_model()
-    for batch in [16] if quick else [1, 8, 64]:
-        rows += sweep_batch(model, batch, ceil, baseline, quick)
+    for batch in [16] if quick else batches:
+        rows += sweep_batch(model, batch, ceil, baseline, quick, ops)
     for line in sweep_summary(rows):
         print(line)
     if prefill:  # op = prefill / prefill-candidates rows ("attention": extend/rank only)
@@ -452,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         "AOTI packages (compiled into --aoti-cache-dir unless bench.aoti_packages did it)",
     )  # fmt: skip
     parser.add_argument("--aoti-cache-dir", type=Path, default=AOTI_CACHE_DIR)
+    parser.add_argument(
+        "--kernel-ops", nargs="+", default=["extend", "rank", "layer"],
+        choices=["extend", "rank", "layer"], help="kernel/attention sections: which rows",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     parser.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = parser.parse_args(argv)
@@ -467,7 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         if section in ("kernel", "attention"):
             with torch.no_grad():
                 base = load_baseline(args.baseline_kernels) if args.baseline_kernels else None
-                rows += kernel_section(args.quick, ceil, base, prefill=section == "kernel")
+                rows += kernel_section(
+                    args.quick, ceil, base, section == "kernel",
+                    [b for b in (1, 8, 64) if b in args.batches], args.kernel_ops,
+                )  # fmt: skip
         elif section == "speedup":
             rows += speedup_section(
                 workloads, args.batches, args.iters, not args.no_compile, ceil,
