@@ -135,8 +135,11 @@ class KafkaConfig(Section):
     producer_max_batch_bytes: int = 262_144
     producer_compression: str | None = None
     producer_idempotence: bool = False
-    # Start-up: how long to back off at most between attempts while the broker is absent.
+    # Start-up: how long to back off at most between attempts while the broker is absent,
+    # and how long a reachable cluster may lack an input topic (created by a job that runs
+    # beside the worker, or not yet in every broker's metadata) before that is an error.
     connect_retry_max_s: float = 10.0
+    topic_wait_s: float = 10.0
 
     def _validate(self) -> None:
         servers = self.bootstrap_servers.split(",")
@@ -164,6 +167,7 @@ class KafkaConfig(Section):
         self._require(self.fetch_max_wait_ms >= 0, "fetch_max_wait_ms", "must be >= 0")
         self._require(self.producer_linger_ms >= 0, "producer_linger_ms", "must be >= 0")
         self._positive("producer_max_batch_bytes", "connect_retry_max_s")
+        self._require(self.topic_wait_s >= 0, "topic_wait_s", "must be >= 0")
         if self.producer_compression is not None:
             self._one_of("producer_compression", ("gzip", "snappy", "lz4", "zstd"))
         self._require(

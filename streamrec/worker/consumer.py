@@ -11,7 +11,9 @@ Why these settings:
   whose records are done (``OffsetTracker``). ``auto_offset_reset="earliest"``: a new
   group must not skip the events that are already waiting.
 - **Start-up retries.** The broker may come up after the worker (a pod restart, the
-  demo); ``start`` backs off and retries until it connects or the worker is stopped.
+  demo); ``start`` backs off and retries until it connects or the worker is stopped, and
+  for up to ``kafka.topic_wait_s`` after the first connection while an input topic is
+  missing (a topic job running beside the worker; a fresh consumer reads fresh metadata).
 
 This class adapts aiokafka to plain tuples (its records pass through unchanged: they are
 ``ConsumedRecord``s); what happens to the records is the ``App``'s business.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -38,6 +41,7 @@ from streamrec.worker.config import GroupConfig, KafkaConfig, TopicsConfig
 from streamrec.worker.rebalance import RebalanceListener
 
 log = logging.getLogger(__name__)
+_TOPIC_POLL_S = 0.25  # between connections while an input topic is missing
 
 TP = tuple[str, int]
 
@@ -82,6 +86,7 @@ class KafkaInput:
         """Connect (retrying with backoff while the broker is absent), check the topics,
         subscribe. False if ``stopping`` was set before a connection was made."""
         backoff = Backoff(0.1, self._kafka.connect_retry_max_s)
+        topics_by: float | None = None  # deadline for missing input topics
         while not stopping.is_set():
             self.connect_attempts += 1
             consumer = self._new_consumer()
@@ -103,10 +108,20 @@ class KafkaInput:
                 continue
             self._consumer = consumer
             try:
-                await self.check_copartitioned()
+                present = await consumer.topics()
+                missing = [t for t in self._topics.input_topics() if t not in present]
+                topics_by = topics_by or time.monotonic() + self._kafka.topic_wait_s
+                if not missing or time.monotonic() >= topics_by:
+                    await self.check_copartitioned()  # raises for a topic still missing
             except BaseException:
                 await self.stop()
                 raise
+            if missing and time.monotonic() < topics_by:
+                log.warning("input topics missing, waiting", extra={"topics": missing})
+                await self.stop()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping.wait(), _TOPIC_POLL_S)
+                continue
             consumer.subscribe(list(self._topics.input_topics()), listener=self._listener)
             return True
         return False
@@ -135,7 +150,8 @@ class KafkaInput:
             partitions = consumer.partitions_for_topic(topic)
             if not partitions:
                 raise BrokerError(
-                    f"input topic {topic!r} does not exist at {self._kafka.bootstrap_servers!r}"
+                    f"input topic {topic!r} does not exist at {self._kafka.bootstrap_servers!r} "
+                    f"(waited kafka.topic_wait_s = {self._kafka.topic_wait_s:g} s)"
                 )
             counts[topic] = len(partitions)
         playback, interaction = self._topics.input_topics()

@@ -17,6 +17,7 @@ from tests.worker.harness import (
     Topics,
     assert_matches_recompute,
     committed_offsets,
+    create_topics,
     dead_letters,
     end_offsets,
     latest_recommendations,
@@ -111,6 +112,42 @@ async def test_unequal_partition_counts_refuse_to_start(broker, unique_topic, mo
     app = App(config)
     with pytest.raises(BrokerError, match=rf"{topics.playback}.* has {PARTITIONS} .* has 3"):
         await asyncio.wait_for(app.run(), 60)
+
+
+def _with_kafka(config, **changes):
+    kafka = type(config.kafka)(**{**config.kafka.__dict__, **changes})
+    return type(config)(**{**config.__dict__, "kafka": kafka})
+
+
+async def test_a_missing_input_topic_is_an_error_after_the_topic_wait(
+    broker, unique_topic, model_dir
+) -> None:
+    topics = Topics(*(unique_topic(s) for s in ("pb-none", "ia-none", "recs-none", "dlq-none")))
+    config = worker_config(broker.bootstrap_servers, topics, "g-missing", model_dir)
+    app = App(_with_kafka(config, topic_wait_s=1.0))
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(
+        BrokerError, match=rf"{topics.playback}.* does not exist .*topic_wait_s = 1 s"
+    ):
+        await asyncio.wait_for(app.run(), 60)
+    assert asyncio.get_running_loop().time() - started >= 1.0
+
+
+async def test_input_topics_created_while_the_worker_waits_are_served(
+    broker, unique_topic, model_dir
+) -> None:
+    topics = Topics(*(unique_topic(s) for s in ("pb-late", "ia-late", "recs-late", "dlq-late")))
+    config = worker_config(broker.bootstrap_servers, topics, "g-late", model_dir)
+    app = App(_with_kafka(config, topic_wait_s=30.0))
+    worker = asyncio.create_task(app.run())
+    await wait_until(lambda: app.input.connect_attempts >= 1, 30, "a connection")
+    await asyncio.sleep(0.5)  # the worker is waiting for the topics now
+    assert not worker.done() and not app.ready
+    create_topics(broker, topics)
+    await wait_until(lambda: app.ready or worker.done(), 60, "the worker to join")
+    assert app.ready
+    app.stop()
+    assert await asyncio.wait_for(worker, 30) == 0
 
 
 async def test_absent_broker_is_retried_not_ready(unique_topic, model_dir) -> None:
