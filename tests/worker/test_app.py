@@ -114,17 +114,18 @@ async def test_unequal_partition_counts_refuse_to_start(broker, unique_topic, mo
         await asyncio.wait_for(app.run(), 60)
 
 
-def _with_kafka(config, **changes):
-    kafka = type(config.kafka)(**{**config.kafka.__dict__, **changes})
-    return type(config)(**{**config.__dict__, "kafka": kafka})
+def _app_without_topics(broker, unique_topic, model_dir, tag: str, wait_s: float):
+    """An App on four topic names the broker does not have (yet), waiting ``wait_s``."""
+    topics = Topics(*(unique_topic(f"{s}-{tag}") for s in ("pb", "ia", "recs", "dlq")))
+    config = worker_config(broker.bootstrap_servers, topics, f"g-{tag}", model_dir)
+    kafka = type(config.kafka)(**{**config.kafka.__dict__, "topic_wait_s": wait_s})
+    return App(type(config)(**{**config.__dict__, "kafka": kafka})), topics
 
 
 async def test_a_missing_input_topic_is_an_error_after_the_topic_wait(
     broker, unique_topic, model_dir
 ) -> None:
-    topics = Topics(*(unique_topic(s) for s in ("pb-none", "ia-none", "recs-none", "dlq-none")))
-    config = worker_config(broker.bootstrap_servers, topics, "g-missing", model_dir)
-    app = App(_with_kafka(config, topic_wait_s=1.0))
+    app, topics = _app_without_topics(broker, unique_topic, model_dir, "none", 1.0)
     started = asyncio.get_running_loop().time()
     with pytest.raises(
         BrokerError, match=rf"{topics.playback}.* does not exist .*topic_wait_s = 1 s"
@@ -136,9 +137,7 @@ async def test_a_missing_input_topic_is_an_error_after_the_topic_wait(
 async def test_input_topics_created_while_the_worker_waits_are_served(
     broker, unique_topic, model_dir
 ) -> None:
-    topics = Topics(*(unique_topic(s) for s in ("pb-late", "ia-late", "recs-late", "dlq-late")))
-    config = worker_config(broker.bootstrap_servers, topics, "g-late", model_dir)
-    app = App(_with_kafka(config, topic_wait_s=30.0))
+    app, topics = _app_without_topics(broker, unique_topic, model_dir, "late", 30.0)
     worker = asyncio.create_task(app.run())
     await wait_until(lambda: app.input.connect_attempts >= 1, 30, "a connection")
     await asyncio.sleep(0.5)  # the worker is waiting for the topics now
