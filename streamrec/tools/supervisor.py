@@ -1,12 +1,16 @@
-"""``streamrec run --gpus``: one worker process per GPU of this host, under a supervisor.
+"""``streamrec run --gpus``: worker processes for the GPUs of this host, under a supervisor.
 
 One process per GPU (DESIGN §1) and not one process driving several GPUs: each worker
 keeps its own event loop, GIL, engine thread and CUDA context, so the host work of one GPU
-never queues behind another's. The children are members of one consumer group exactly as
-pods are, and the supervisor only does what Kubernetes would otherwise do for them:
+never queues behind another's. ``--workers-per-gpu N`` runs N processes per GPU, for when
+one process's host path (event loop and engine thread under one GIL) saturates its core
+before its GPU is busy (issue 13). The children are members of one consumer group exactly
+as pods are (Kafka assigns each its partitions; each keeps the KV cache of its own
+partitions' users), and the supervisor only does what Kubernetes would otherwise do:
 
-- **Static membership.** Child ``i`` gets ``group.group_instance_id = <base>-gpu<N>`` (N
-  the GPU index, ``cpu<i>`` for CPU children), ``<base>`` being the configured
+- **Static membership.** Each child gets ``group.group_instance_id = <base>-<name>``, the
+  name being ``gpu<N>`` (N the GPU index; ``gpu<N>-w<j>`` for worker j of the GPU with
+  ``--workers-per-gpu`` > 1) or ``cpu<i>`` for CPU children, and ``<base>`` the configured
   ``group.group_instance_id`` (the pod name in deploy/) or else the host name. A child
   restarted within ``kafka.session_timeout_ms`` rejoins as the same member and gets its
   partitions back without a group-wide rebalance; past it, the others take them over
@@ -17,10 +21,27 @@ pods are, and the supervisor only does what Kubernetes would otherwise do for th
 - **Pinning.** ``CUDA_VISIBLE_DEVICES`` names the child's one GPU (translated through the
   supervisor's own ``CUDA_VISIBLE_DEVICES`` when that is set) and ``model.device = cuda``;
   CPU children see no GPU and get ``model.device = cpu``.
-- **Ports.** Child ``i`` serves ``/metrics``, ``/healthz`` and ``/readyz`` on
-  ``http.port + i`` (0 stays 0: any free port). No aggregating endpoint: a probe or a
-  scrape of one child says what that child does (deploy/README.md, "Several GPUs per
-  node").
+- **Ports.** Child ``i`` (counted over all children, a GPU's workers next to each other)
+  serves ``/metrics``, ``/healthz`` and ``/readyz`` on ``http.port + i`` (0 stays 0: any
+  free port). No aggregating endpoint: a probe or a scrape of one child says what that
+  child does (deploy/README.md, "Several GPUs per node").
+- **Sharing a GPU.** The config says what one GPU gets, and a GPU's N workers split it
+  (``share_of_gpu``): ``cache.kv_budget_bytes`` / N when it is set, else
+  ``cache.kv_budget_fraction`` / N. That fraction is of the GPU memory a worker sees free
+  after its model loads: N workers starting at once each take fraction / N of what they
+  see, so together never more than the fraction of the free memory. They take less when
+  one measures after a sibling's pool exists (a staggered start, and always a restarted
+  child, whose pool then comes out smaller than its siblings'); ``kv_budget_bytes`` gives
+  equal, fixed shares. Split too (at least 1 each, 0 stays 0): ``cache.host_tier_bytes``
+  (pinned host memory), ``cache.disk_tier_bytes``, and ``model.host_threads``, torch's
+  per-process thread count sized for one worker per GPU, which N processes would each
+  spin on N times the cores (its default 0 stays: one thread per CUDA worker already).
+  Not split, as every process holds its own: the model weights, the CUDA context and
+  graphs, the embedding cache's device rows and ``cache.disk_tier_device_slots``.
+- **Disk tier directories.** With more than one child, each gets its own
+  ``cache.disk_tier_dir / <name>``: the disk tier wipes its directory at start and exit,
+  and every child sees its one GPU as ``cuda:0``, so the worker's own ``cuda<index>``
+  subdirectory would be the same for all of them.
 - **Restarts.** A child that exits while the supervisor is not stopping is started again
   after a ``Backoff`` delay (full jitter). A child that dies within ``min_uptime_s`` of its
   start counts as a crash loop; after ``max_restarts`` of those in a row the supervisor
@@ -94,7 +115,7 @@ class RestartPolicy:
 class ChildSpec:
     """One supervised worker: its name, the GPU it sees, and its whole config."""
 
-    name: str  # "gpu0", "cpu1"
+    name: str  # "gpu0", "gpu0-w1" (--workers-per-gpu > 1), "cpu1"
     gpu: str | None  # the child's CUDA_VISIBLE_DEVICES value; None: a CPU child
     config: WorkerConfig
 
@@ -172,6 +193,44 @@ def select_gpus(spec: str, device_count: int, visible: str | None) -> list[tuple
     return [(i, entries[i] if entries is not None else str(i)) for i in indices]
 
 
+def check_workers_per_gpu(workers_per_gpu: int, gpus: bool) -> None:
+    """``--workers-per-gpu`` is a count >= 1, and only ``--gpus`` multiplies by it:
+    ``--cpu-children N`` already is the number of workers."""
+    if workers_per_gpu < 1:
+        raise ConfigError(f"--workers-per-gpu {workers_per_gpu}: must be >= 1")
+    if workers_per_gpu > 1 and not gpus:
+        raise ConfigError(
+            f"--workers-per-gpu {workers_per_gpu}: only with --gpus "
+            "(--cpu-children N already is the number of workers)"
+        )
+
+
+def _split(amount: int, workers: int) -> int:
+    """One worker's share of a per-GPU amount; 0 (none, or automatic) stays 0."""
+    return max(1, amount // workers) if amount else 0
+
+
+def share_of_gpu(config: WorkerConfig, workers: int) -> WorkerConfig:
+    """The config of one of ``workers`` processes on one GPU (the module docstring,
+    "Sharing a GPU", says what is split and why)."""
+    if workers == 1:
+        return config
+    c = config.cache
+    # the fraction is unused while kv_budget_bytes is set: then it stays as configured
+    fraction = c.kv_budget_fraction if c.kv_budget_bytes else c.kv_budget_fraction / workers
+    cache = dataclasses.replace(
+        c,
+        kv_budget_bytes=_split(c.kv_budget_bytes, workers),
+        kv_budget_fraction=fraction,
+        host_tier_bytes=_split(c.host_tier_bytes, workers),
+        disk_tier_bytes=_split(c.disk_tier_bytes, workers),
+    )
+    model = dataclasses.replace(
+        config.model, host_threads=_split(config.model.host_threads, workers)
+    )
+    return dataclasses.replace(config, cache=cache, model=model)
+
+
 def child_specs(
     config: WorkerConfig,
     gpus: Sequence[tuple[int, str]] | None,
@@ -179,29 +238,41 @@ def child_specs(
     host: str,
     *,
     static: bool = True,
+    workers_per_gpu: int = 1,
 ) -> list[ChildSpec]:
-    """One spec per GPU (or per CPU child): member id, port and device set per child;
-    ``static=False``: no member ids at all (dynamic members)."""
+    """``workers_per_gpu`` specs per GPU (or one per CPU child): member id, port, device,
+    resource share and disk tier directory set per child; ``static=False``: no member ids
+    at all (dynamic members)."""
+    check_workers_per_gpu(workers_per_gpu, gpus is not None)
     base = config.group.group_instance_id or host
-    slots: list[tuple[str, str | None, str]] = (
-        [(f"gpu{i}", value, "cuda") for i, value in gpus]
-        if gpus is not None
-        else [(f"cpu{i}", None, "cpu") for i in range(cpu_children)]
-    )
+    slots: list[tuple[str, str | None, str]]
+    if gpus is None:
+        slots = [(f"cpu{i}", None, "cpu") for i in range(cpu_children)]
+    elif workers_per_gpu == 1:  # the names of one process per GPU, as before the option
+        slots = [(f"gpu{i}", value, "cuda") for i, value in gpus]
+    else:
+        slots = [
+            (f"gpu{i}-w{j}", value, "cuda") for i, value in gpus for j in range(workers_per_gpu)
+        ]
     if not slots:
         raise ConfigError("--cpu-children 0: at least one child is needed")
     port = config.http.port
     if port and port + len(slots) - 1 > 65535:
         raise ConfigError(f"http.port = {port}: {len(slots)} children need ports up to 65535")
+    shared = share_of_gpu(config, workers_per_gpu)
     specs = []
     for i, (name, gpu, device) in enumerate(slots):
+        cache = shared.cache
+        if len(slots) > 1:
+            cache = dataclasses.replace(cache, disk_tier_dir=cache.disk_tier_dir / name)
         child = dataclasses.replace(
-            config,
+            shared,
             group=dataclasses.replace(
-                config.group, group_instance_id=f"{base}-{name}" if static else None
+                shared.group, group_instance_id=f"{base}-{name}" if static else None
             ),
-            http=dataclasses.replace(config.http, port=port + i if port else 0),
-            model=dataclasses.replace(config.model, device=device),
+            http=dataclasses.replace(shared.http, port=port + i if port else 0),
+            model=dataclasses.replace(shared.model, device=device),
+            cache=cache,
         )
         specs.append(ChildSpec(name, gpu, child))
     return specs
@@ -417,6 +488,15 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
         help="supervise N CPU workers the same way (tests, development)",
     )
     group.add_argument(
+        "--workers-per-gpu",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --gpus: N worker processes per GPU (default %(default)s), members "
+        "<...>-gpu<i>-w<j> when N > 1; the KV budget, host and disk tiers and an explicit "
+        "model.host_threads are split among a GPU's workers",
+    )
+    group.add_argument(
         "--dynamic-members",
         action="store_true",
         help="no static member ids (the dev broker, Tansu 0.6, keeps rebalancing groups of "
@@ -432,6 +512,9 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def supervising(args: argparse.Namespace) -> bool:
+    """Whether the arguments ask for a supervisor; ``--workers-per-gpu`` without ``--gpus``
+    is an error here rather than ignored by a single worker."""
+    check_workers_per_gpu(args.workers_per_gpu, args.gpus is not None)
     return args.gpus is not None or args.cpu_children is not None
 
 
@@ -450,7 +533,12 @@ def run_supervised(
     elif args.cpu_children < 1:
         raise ConfigError(f"--cpu-children {args.cpu_children}: must be >= 1")
     specs = child_specs(
-        config, gpus, args.cpu_children or 0, socket.gethostname(), static=not args.dynamic_members
+        config,
+        gpus,
+        args.cpu_children or 0,
+        socket.gethostname(),
+        static=not args.dynamic_members,
+        workers_per_gpu=args.workers_per_gpu,
     )
     return Supervisor(specs, policy).run()
 

@@ -41,7 +41,7 @@ from streamrec.tools.supervisor import (
     parse_child_start,
     select_gpus,
 )
-from streamrec.worker.config import HttpConfig, WorkerConfig
+from streamrec.worker.config import CacheConfig, HttpConfig, ModelConfig, WorkerConfig
 from streamrec.worker.config_sources import load_config
 from tests.worker.harness import (
     Stream,
@@ -138,6 +138,117 @@ def test_a_child_reads_back_exactly_its_config_and_nothing_of_the_parents(
     assert load_config(None, environ=env) == spec.config
     assert spec.config.store.url == "redis://:pw@r:6379/0"  # secrets travel, unmasked
     assert spec.config.cache.kv_budget_fraction == 0.25 and spec.config.model.backend == "aoti"
+
+
+def test_workers_per_gpu_get_their_names_member_ids_ports_and_their_gpu() -> None:
+    config = dataclasses.replace(WorkerConfig(), http=HttpConfig(port=9400))
+    config = dataclasses.replace(
+        config, group=dataclasses.replace(config.group, group_instance_id="sr-0")
+    )
+    specs = child_specs(config, [(0, "0"), (3, "GPU-x")], 0, "node-a", workers_per_gpu=2)
+    assert [s.name for s in specs] == ["gpu0-w0", "gpu0-w1", "gpu3-w0", "gpu3-w1"]
+    assert [s.config.group.group_instance_id for s in specs] == [
+        "sr-0-gpu0-w0", "sr-0-gpu0-w1", "sr-0-gpu3-w0", "sr-0-gpu3-w1"
+    ]  # fmt: skip
+    assert [s.config.http.port for s in specs] == [9400, 9401, 9402, 9403]
+    assert [s.environ({})["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "0", "GPU-x", "GPU-x"]
+    assert {s.config.model.device for s in specs} == {"cuda"}
+    dynamic = child_specs(config, [(0, "0")], 0, "node-a", static=False, workers_per_gpu=3)
+    assert [s.config.group.group_instance_id for s in dynamic] == [None, None, None]
+    # the ports are counted over every worker of every GPU
+    high = dataclasses.replace(config, http=HttpConfig(port=65533))
+    with pytest.raises(ConfigError, match=r"http\.port = 65533: 4 children"):
+        child_specs(high, [(0, "0"), (1, "1")], 0, "h", workers_per_gpu=2)
+
+
+def test_the_workers_of_a_gpu_split_its_budgets_and_get_their_own_disk_tier(
+    tmp_path: Path,
+) -> None:
+    config = dataclasses.replace(
+        WorkerConfig(),
+        cache=CacheConfig(kv_budget_bytes=10 << 30, host_tier_bytes=1 << 30,
+                          disk_tier_bytes=8 << 30, disk_tier_dir=tmp_path / "disk"),
+        model=ModelConfig(host_threads=4),
+    )  # fmt: skip
+    specs = child_specs(config, [(0, "0"), (1, "1")], 0, "h", workers_per_gpu=2)
+    caches = [s.config.cache for s in specs]
+    assert {c.kv_budget_bytes for c in caches} == {5 << 30}
+    assert {c.kv_budget_fraction for c in caches} == {0.5}  # unused beside bytes: as given
+    assert {c.host_tier_bytes for c in caches} == {512 << 20}
+    assert {c.disk_tier_bytes for c in caches} == {4 << 30}
+    assert {s.config.model.host_threads for s in specs} == {2}
+    names = ["gpu0-w0", "gpu0-w1", "gpu1-w0", "gpu1-w1"]
+    assert [c.disk_tier_dir for c in caches] == [tmp_path / "disk" / n for n in names]
+    # no bytes: a share of the free memory each worker sees, summing to the fraction
+    by_fraction = dataclasses.replace(config, cache=CacheConfig(kv_budget_fraction=0.6))
+    three = child_specs(by_fraction, [(0, "0")], 0, "h", workers_per_gpu=3)
+    assert {s.config.cache.kv_budget_bytes for s in three} == {0}
+    assert {s.config.cache.kv_budget_fraction for s in three} == {0.6 / 3}
+    assert sum(s.config.cache.kv_budget_fraction for s in three) <= 0.6
+    assert {s.config.model.host_threads for s in three} == {1}  # 4 // 3: at least one each
+    assert {s.config.cache.host_tier_bytes for s in three} == {(1 << 30) // 3}
+    # 0 (automatic, or none) is no amount to split
+    default = child_specs(WorkerConfig(), [(0, "0")], 0, "h", workers_per_gpu=2)
+    assert {s.config.model.host_threads for s in default} == {0}
+    assert {s.config.cache.disk_tier_bytes for s in default} == {0}
+    # the split config is what the child reads back
+    for spec in (*specs, *three):
+        assert load_config(None, environ=spec.environ({})) == spec.config
+
+
+def test_one_worker_per_gpu_keeps_the_names_and_budgets_and_separates_disk_tiers() -> None:
+    config = WorkerConfig()
+    gpus = [(0, "0"), (1, "1")]
+    specs = child_specs(config, gpus, 0, "h", workers_per_gpu=1)
+    assert specs == child_specs(config, gpus, 0, "h")  # the default
+    assert [s.name for s in specs] == ["gpu0", "gpu1"]
+    assert [s.config.group.group_instance_id for s in specs] == ["h-gpu0", "h-gpu1"]
+    for spec in specs:
+        assert spec.config.model == dataclasses.replace(config.model, device="cuda")
+        cache = dataclasses.replace(spec.config.cache, disk_tier_dir=config.cache.disk_tier_dir)
+        assert cache == config.cache
+    # every child sees its GPU as cuda:0: one directory each, or they wipe each other's files
+    assert [s.config.cache.disk_tier_dir for s in specs] == [
+        config.cache.disk_tier_dir / "gpu0", config.cache.disk_tier_dir / "gpu1"
+    ]  # fmt: skip
+    cpu = child_specs(config, None, 2, "h")
+    assert [s.config.cache.disk_tier_dir.name for s in cpu] == ["cpu0", "cpu1"]
+    (alone,) = child_specs(config, [(2, "2")], 0, "h")
+    assert alone.config.cache.disk_tier_dir == config.cache.disk_tier_dir  # nobody to share
+
+
+@pytest.mark.parametrize(
+    ("gpus", "cpu_children", "workers", "message"),
+    [
+        ([(0, "0")], 0, 0, "--workers-per-gpu 0: must be >= 1"),
+        ([(0, "0")], 0, -2, "--workers-per-gpu -2: must be >= 1"),
+        (None, 2, 2, "--workers-per-gpu 2: only with --gpus"),
+    ],
+)
+def test_bad_workers_per_gpu_name_the_value(
+    gpus: list[tuple[int, str]] | None, cpu_children: int, workers: int, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        child_specs(WorkerConfig(), gpus, cpu_children, "h", workers_per_gpu=workers)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--cpu-children", "2", "--workers-per-gpu", "2"],
+            "--workers-per-gpu 2: only with --gpus",
+        ),
+        (["--workers-per-gpu", "3"], "--workers-per-gpu 3: only with --gpus"),
+        (["--gpus", "all", "--workers-per-gpu", "0"], "--workers-per-gpu 0: must be >= 1"),
+    ],
+)
+def test_bad_workers_per_gpu_flags_are_a_one_line_error(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", *argv, "--log-level", "ERROR"]) == 1  # before any worker starts
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"streamrec run: error: {message}")
 
 
 # ------------------------------------------------------------------ policy (stand-in children)
