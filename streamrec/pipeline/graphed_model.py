@@ -24,6 +24,17 @@ pool tensors are not the ones captured, run directly too and are counted. Output
 copied out of the graph's static outputs before returning, so a later replay cannot
 overwrite what a caller still holds.
 
+Memory: every graph of a model allocates from one private pool, on one capture stream,
+largest bucket first. A graph keeps its outputs; what a capture frees (activations,
+workspaces: most of its peak) stays reserved in the pool for later captures, never for
+anything else. The caching allocator gives a free block only to an allocation on the
+block's stream that fits in it, so a fresh side stream per capture (before) left every
+capture's transients unusable: the HSTU-8L worker's 70 captures ended with 40.39 GiB free
+in its pool ("allocated in private pools" of the CUDA OOM message counts the free blocks)
+on the H200, memory no other process on the GPU could have. On one stream, largest first,
+each capture fits in what the larger ones freed: the pool holds about the largest
+capture's peak plus every graph's outputs (``bench/graph_memory.py`` measures it).
+
 Any backend works: eager ``HSTU`` and the AOTInductor runtime alike. A backend that
 checks its inputs (``CheckedModel``: the AOTI one, whose package would otherwise read out
 of bounds on a bad batch) has its value check run on the caller's tensors before each
@@ -186,6 +197,9 @@ class GraphedModel:
         self._retrieve: dict[int, _Graph] = {}
         self._retrieve_shape: tuple[int, int, torch.dtype] | None = None  # k, D, dtype
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
+        # Every warm-up and capture runs on this stream (made at the first capture): blocks
+        # freed on it in one capture are reused by the next (module docstring, "Memory").
+        self.capture_stream: torch.cuda.Stream | None = None
         self.stats = GraphStats()
 
     # ------------------------------------------------------------------ protocol
@@ -340,20 +354,51 @@ class GraphedModel:
         rank: Sequence[int] | None = None,
         retrieve: tuple[Sequence[int], int, int, torch.dtype] | None = None,
     ) -> None:
-        """Capture these buckets now (start-up) instead of on the first call of each;
-        ``None`` means every configured bucket (retrieve: none unless given as
-        ``(buckets, k, D, dtype)``)."""
-        for bucket in self.config.buckets if extend is None else extend:
-            if bucket not in self._extend:
-                self._capture_extend(bucket)
-        for bucket in self.config.buckets if rank is None else rank:
-            if bucket not in self._rank:
-                self._capture_rank(bucket)
-        if retrieve is not None:
-            buckets, k, dim, dtype = retrieve
-            for bucket in buckets:
-                if bucket not in self._retrieve:
-                    self._capture_retrieve(bucket, k, dim, dtype)
+        """Capture these buckets now (start-up) instead of on the first call of each, in
+        ``capture_plan`` order; ``None`` means every configured bucket (retrieve: none
+        unless given as ``(buckets, k, D, dtype)``)."""
+        buckets, shape = ((), None) if retrieve is None else (retrieve[0], retrieve[1:])
+        for entry, bucket in self.capture_plan(extend, rank, buckets):
+            self.capture(entry, bucket, shape)
+
+    def capture_plan(
+        self,
+        extend: Sequence[int] | None = None,
+        rank: Sequence[int] | None = None,
+        retrieve: Sequence[int] = (),
+    ) -> list[tuple[str, int]]:
+        """(entry point, bucket) in capture order: retrieve, rank, extend, each largest
+        bucket first (``None``: every configured bucket).
+
+        Why: a capture reuses the pool's free blocks only where one is at least as large as
+        what it allocates, so the largest capture goes first and the others fit in what it
+        freed. Retrieve first: the AOTI package normalises the whole item table per call
+        (1M x 512 bf16: ~1 GB, the largest single transient); rank's largest activations
+        (~0.6 GB at 256 users x 256 candidates, 8L) come next, extend's (~0.2 GB) last.
+        """
+        ext = self.config.buckets if extend is None else extend
+        users = self.config.buckets if rank is None else rank
+        return [
+            (entry, bucket)
+            for entry, buckets in (("retrieve", retrieve), ("rank", users), ("extend", ext))
+            for bucket in sorted(set(buckets), reverse=True)
+        ]
+
+    def capture(
+        self, entry: str, bucket: int, retrieve_shape: tuple[int, int, torch.dtype] | None = None
+    ) -> None:
+        """Capture ``entry``'s (extend, rank or retrieve) ``bucket`` now unless it has been;
+        retrieve needs its ``(k, D, dtype)``."""
+        if entry == "extend" and bucket not in self._extend:
+            self._capture_extend(bucket)
+        elif entry == "rank" and bucket not in self._rank:
+            self._capture_rank(bucket)
+        elif entry == "retrieve" and bucket not in self._retrieve:
+            if retrieve_shape is None:
+                raise ConfigError("capture('retrieve', ...) needs retrieve_shape=(k, D, dtype)")
+            self._capture_retrieve(bucket, *retrieve_shape)
+        elif entry not in ("extend", "rank", "retrieve"):
+            raise ConfigError(f"capture: unknown entry point {entry!r}")
 
     def _bucket(self, n: int) -> int | None:
         for bucket in self.config.buckets:
@@ -435,6 +480,7 @@ class GraphedModel:
                 extra={"graph": name, "error": repr(exc)[:300]},
             )
             self.stats.failed.append(name)
+            self.capture_stream = None  # the next capture starts on a clean stream
             return _Graph(inputs=inputs, call=call, failed=True)
         seconds = time.perf_counter() - start
         self.stats.captures += 1
@@ -443,9 +489,12 @@ class GraphedModel:
         return _Graph(inputs=inputs, call=call, outputs=outputs, graph=graph)
 
     def _record(self, call: Call) -> tuple[tuple[torch.Tensor, ...], torch.cuda.CUDAGraph]:
-        """Warm up and capture on one side stream (an AOTI runner captured on another
-        stream than it warmed up on is untested; this order is the one seen to work)."""
-        side = torch.cuda.Stream(self._device)
+        """Warm up and capture on the side stream every capture shares (an AOTI runner
+        captured on another stream than it warmed up on is untested; this order is the one
+        seen to work). One stream for all: the pool reuses blocks only on their stream."""
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream(self._device)
+        side = self.capture_stream
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.no_grad(), torch.cuda.stream(side):
             for _ in range(2):  # compiles the Triton kernels, lets cuBLAS pick its kernels

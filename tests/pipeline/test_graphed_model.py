@@ -288,3 +288,77 @@ def test_only_a_value_checking_backend_is_checked_before_each_replay(check_value
     assert rel_err(graphed.rank(*rank_args), model.rank(*rank_args)) < TOL
     assert backend.checks == (2 if check_values else 0)
     assert graphed.stats.by_bucket == {"extend/8": 1, "rank/8": 1}
+
+
+# ------------------------------------------------------------ capture order and memory
+
+
+def test_warm_up_captures_retrieve_rank_extend_each_largest_first() -> None:
+    model, cache, _, _ = _setup(0, [3, 5])
+    graphed = _graphed(model, cache, cands=2, capture=False)  # buckets (1, 2, 8)
+    assert graphed.capture_plan(retrieve=(2, 8)) == [
+        ("retrieve", 8), ("retrieve", 2), ("rank", 8), ("rank", 2), ("rank", 1),
+        ("extend", 8), ("extend", 2), ("extend", 1),
+    ]  # fmt: skip
+    shape = (5, model.config.d_model, torch.float32)
+    graphed.warm_up(extend=[1, 8], rank=[2], retrieve=([1, 2], *shape))
+    assert list(graphed._retrieve) == [2, 1] and list(graphed._rank) == [2]
+    assert list(graphed._extend) == [8, 1]
+    graphed.capture("extend", 8)  # captured already: nothing happens
+    assert list(graphed._extend) == [8, 1] and graphed.capture_stream is None
+    with pytest.raises(ConfigError, match="retrieve_shape"):
+        graphed.capture("retrieve", 8)
+    with pytest.raises(ConfigError, match="unknown entry point 'prefill'"):
+        graphed.capture("prefill", 1)
+
+
+MIB = 1 << 20
+
+
+class _Transient:
+    """extend and rank that free a large temporary per row, as a model's activations do
+    (extend: 4 MiB per token, rank: 2 MiB per user)."""
+
+    def extend(self, items, actions, ts, offsets, kv_pool, ts_pool, tables, lens):
+        row = torch.ones(items.shape[0], 1 << 20, device=items.device).sum(1)  # [T]
+        return row[None], row[None], row[:, None]
+
+    def rank(self, cand, query_ts, kv_pool, ts_pool, tables, lens):
+        return torch.ones(cand.shape[0], 1 << 19, device=cand.device).sum(1)[:, None, None]
+
+
+def _pool_reserved(graphed: GraphedModel) -> int:
+    pool = tuple(graphed._pool or ())
+    segments = torch.cuda.memory_snapshot()
+    return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) == pool)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_captures_share_one_stream_and_reuse_what_the_larger_ones_freed() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kv = torch.zeros(1, 2, 4, BLOCK, 1, 8, device="cuda")
+    ts = torch.zeros(4, BLOCK, dtype=torch.int64, device="cuda")
+    cfg = GraphConfig(max_blocks=2, num_candidates=1, buckets=(1, 2, 4, 8, 16))
+    graphed = GraphedModel(_Transient(), kv, ts, cfg)
+    graphed.warm_up(rank=[])
+    stream = graphed.capture_stream
+    graphed.warm_up(extend=[])
+    assert stream is not None and graphed.capture_stream is stream
+    assert graphed.stats.captures == 10 and graphed.stats.failed == []
+    # extend/16 frees 64 MiB; every later capture (at most 32 MiB) fits in it.
+    assert _pool_reserved(graphed) < 80 * MIB
+    # Before: smallest first, a stream per capture; nothing freed was reused (4 + ... + 64
+    # MiB of extend, 2 + ... + 32 of rank: 186 MiB at least).
+    before = GraphedModel(_Transient(), kv, ts, cfg)
+    for entry in ("extend", "rank"):
+        for bucket in cfg.buckets:
+            before.capture_stream = torch.cuda.Stream()
+            before.capture(entry, bucket)
+    assert _pool_reserved(before) > 180 * MIB
+    got = graphed.extend(*(torch.zeros(3, dtype=torch.int64, device="cuda"),) * 3,
+                         torch.tensor([0, 3], device="cuda"), kv, ts,
+                         torch.zeros(1, 2, dtype=torch.int32, device="cuda"),
+                         torch.zeros(1, dtype=torch.int64, device="cuda"))  # fmt: skip
+    assert got[2].tolist() == [[float(1 << 20)]] and graphed.stats.replays == 1
