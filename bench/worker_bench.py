@@ -44,12 +44,13 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import itertools
 import json
 import multiprocessing as mp
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -60,19 +61,26 @@ import numpy.typing as npt
 import torch
 
 from bench._report import RESULTS_DIR, print_table, write_results
-from bench.engine_bench import SMALL, WORKLOADS, _model, _preload
-from bench.null_model import NULL_GEOMETRY, null_checkpoint_parts
+from bench.engine_bench import SMALL, WORKLOADS, _preload
+from bench.null_model import NULL_GEOMETRY
 from bench.reference_config import ReferenceWorkload
+from bench.worker_side import (
+    AckLog,
+    ChildSpec,
+    Fleet,
+    LocalWorker,
+    WorkerSide,
+    loaded_model,
+    split_percentiles,
+)
 from streamrec.cache.kv_cache import KVCacheConfig, free_memory_bytes
 from streamrec.errors import BrokerError, ConfigError
-from streamrec.models.checkpoint import Checkpoint, load_checkpoint
 from streamrec.models.paged_attention import triton_available
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import PlaybackEvent
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
 from streamrec.worker import config as wc
 from streamrec.worker.app import App
-from streamrec.worker.model_loader import LoadedModel, load_serving_model
 
 
 def _moved(new: str, old: str, name: str) -> Any:
@@ -180,20 +188,6 @@ async def _send_job(
     return {"events": n, "events_per_s": rate, "max_lag_ms": max_lag_ms}
 
 
-class AckLog:
-    """Every acknowledged recommendation: (user, version, wall time s, enqueue->ack s).
-    The hook runs on the worker's event loop, so it only appends."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, int, float, float]] = []
-
-    def __call__(self, published: Any, latency_s: float | None = None) -> None:
-        # ``Published`` now; ``(Recommendation, latency)`` from the worker before issue 13,
-        # which this bench also drives for the before/after ratio (``--before`` tree).
-        latency = published.latency_s if latency_s is None else latency_s
-        self.rows.append((published.user_id, published.version, time.time(), latency))
-
-
 class EventBook:
     """Per user, the time (ms) of each produced event in produce order (-1: not timed).
     Version v of user u covers its first ``v - preloaded[u]`` events (the preload counts)."""
@@ -219,59 +213,16 @@ class EventBook:
         return out
 
 
-def latency_split(app: App, start: float, end: float) -> Row:
-    """p50/p99 ms per event of each stage an event goes through (``BatchTrace``), over the
-    batches released in ``[start, end)`` (monotonic): queue wait (batcher enqueue to
-    release), batch wait (release to the engine thread: the store append and the previous
-    step), step, encode, publish (step done to handed to the producer, encode included),
-    produce-ack, commit (acknowledged to the next successful commit)."""
-    pipeline = getattr(app, "pipeline", None)
-    checkpoint = getattr(app, "checkpoint", None)
-    if pipeline is None or checkpoint is None:
-        return {}  # the worker before issue 13 records no traces
-    traces = [t for t in pipeline.stats.traces if start <= t.released < end and t.acked]
-    if not traces:
-        return {}
-    commits = np.array(sorted(checkpoint.commit_times))
-    weights = np.array([t.n_events for t in traces])
-
-    def per_event(values: Sequence[float]) -> np.ndarray:
-        return np.repeat(np.asarray(values, dtype=np.float64), weights)
-
-    after_ack = np.searchsorted(commits, [t.acked for t in traces])
-    committed = [
-        commits[i] - t.acked if i < len(commits) else np.nan
-        for i, t in zip(after_ack, traces, strict=True)
-    ]
-    stages = {
-        "queue_wait": np.concatenate([t.queue_waits for t in traces]),
-        "batch_wait": per_event([t.taken - t.released for t in traces]),
-        "step": per_event([t.executed - t.taken for t in traces]),
-        "encode": per_event([t.encode_s for t in traces]),
-        "publish": per_event([t.handed - t.executed for t in traces]),
-        "produce_ack": per_event([t.acked - t.handed for t in traces]),
-        "commit": per_event(committed),
-    }
-    split: Row = {}
-    for name, values in stages.items():
-        values = values[np.isfinite(values)] * 1000.0
-        split[f"{name}_p50_ms"] = _pct(values.tolist(), 50)
-        split[f"{name}_p99_ms"] = _pct(values.tolist(), 99)
-    return {"split_ms": split}
-
-
 def _pct(values: Sequence[float], q: float) -> float:
     return round(float(np.percentile(values, q)), 2) if len(values) else 0.0
 
 
 @dataclass
 class Bench:
-    """The running worker, its producer, and what the phases have produced so far."""
+    """The running worker(s), the producer, and what the phases have produced so far."""
 
-    app: App
-    worker: asyncio.Task[int]
+    side: WorkerSide
     conn: Connection
-    acks: AckLog
     book: EventBook
     timeout_s: float
     produced: int = 0
@@ -279,17 +230,7 @@ class Bench:
 
     def snap(self) -> Row:
         """Counters now (a phase's figures are differences of two snaps)."""
-        assert self.app.engine is not None
-        e, s = self.app.engine.stats(), self.app.stats()
-        # The engine thread's busy time; before issue 13 the phase sum was the closest.
-        busy = getattr(e, "step_seconds", None)
-        return dict(
-            wall=time.time(), mono=time.monotonic(), cpu_s=time.process_time(),
-            completed=s.tracker.completed, published=s.published, acks=len(self.acks.rows),
-            batches=e.batches, users=e.users, gpu_hits=e.gpu_hits,
-            looked_up=e.gpu_hits + e.host_hits + e.misses, phase_s=dict(e.phase_seconds),
-            busy_s=sum(e.phase_seconds.values()) if busy is None else busy,
-        )  # fmt: skip
+        return self.side.snap() | {"wall": time.time(), "mono": time.monotonic()}
 
     def send(self, job: Job) -> None:
         self.book.add(job)
@@ -308,19 +249,18 @@ class Bench:
         until every produced event is completed; False after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
-            done = self.app.stats().tracker.completed
+            done = self.side.completed()
             if not self.samples or done != self.samples[-1][1]:
                 self.samples.append((time.time(), done))
             if (time.time() >= until) if until else (done >= self.produced):
                 return True
-            if self.worker.done():
-                raise BrokerError("the bench worker stopped (see its log)")
+            self.side.check_alive()
             if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(0.01)
 
     def row(self, phase: str, a: Row, b: Row, producer: dict[str, float]) -> Row:
-        acks = self.acks.rows[a["acks"] : b["acks"]]
+        acks = self.side.ack_rows(a, b)
         wall = (acks[-1][2] if acks else b["wall"]) - a["wall"]
         d = {k: b[k] - a[k] for k in ("cpu_s", "completed", "published", "batches", "users")}
         batches, hits = max(d["batches"], 1), b["gpu_hits"] - a["gpu_hits"]
@@ -329,8 +269,10 @@ class Bench:
         phase_ms = {k: (v - a["phase_s"].get(k, 0.0)) * 1000.0 for k, v in b["phase_s"].items()}
         worker_ms = [x[3] * 1000.0 for x in acks]
         elapsed = max(b["wall"] - a["wall"], 1e-9)
+        busy = (b["busy_s"] - a["busy_s"]) / self.side.processes  # per engine thread
         row: Row = {
             "phase": phase,
+            "processes": self.side.processes,
             "events": int(producer["events"]),
             "completed": d["completed"],
             "wall_s": round(wall, 3),
@@ -344,13 +286,13 @@ class Bench:
             "worker_p50_ms": _pct(worker_ms, 50),
             "worker_p99_ms": _pct(worker_ms, 99),
             "cpu_pct": round(100.0 * d["cpu_s"] / elapsed, 1),
-            "engine_busy_pct": round(100.0 * (b["busy_s"] - a["busy_s"]) / elapsed, 1),
+            "engine_busy_pct": round(100.0 * busy / elapsed, 1),
             "ms_per_batch": {k: round(v / batches, 3) for k, v in phase_ms.items()},
         }
         if "events_per_s" in producer:
             row["producer_events_per_s"] = producer["events_per_s"]
             row["producer_max_lag_ms"] = round(producer["max_lag_ms"], 1)
-        row |= latency_split(self.app, a["mono"], b["mono"])
+        row |= split_percentiles(self.side.stages(a["mono"], b["mono"]))
         e2p = self.book.latencies_ms(acks)
         if e2p:
             row |= {"e2p_events": len(e2p), "e2p_p50_ms": _pct(e2p, 50)}
@@ -454,38 +396,6 @@ async def paced(
     return row | {"complete": complete, "sustained": sustained}
 
 
-def loaded_model(
-    w: ReferenceWorkload, device: str, host_ceiling: bool = False, aoti: bool = False
-) -> LoadedModel:
-    if host_ceiling:  # the host path alone: a model that does nothing, on the CPU
-        module, null, vocab = null_checkpoint_parts(w.num_items, w.max_seq_len, torch.device("cpu"))
-        checkpoint = Checkpoint(module, vocab, "null", Path("null"), {"model_name": "null"})
-        return LoadedModel(checkpoint, null, "null", torch.device("cpu"))
-    if aoti:  # the reference model directory and its AOTI packages (compiled if missing)
-        return aoti_loaded_model(w, device)
-    model, vocab = _model(w, device)  # random init; bf16 for the reference workloads
-    checkpoint = Checkpoint(model, vocab, "random-init", Path(w.name), {"model_name": w.name})
-    return LoadedModel(checkpoint, model, "eager", torch.device(device))
-
-
-def aoti_loaded_model(w: ReferenceWorkload, device: str) -> LoadedModel:
-    # (imported here: the "before" tree this bench also drives has none of them)
-    from bench.aoti_packages import CACHE_DIR as AOTI_CACHE_DIR
-    from bench.aoti_packages import reference_model_dir
-    from streamrec.models.aoti_export import ENTRY_POINTS, ExportConfig, export_model
-    from streamrec.pipeline.scoring_config import ScoringConfig
-
-    model_dir = reference_model_dir(w)
-    export_model(model_dir, device, AOTI_CACHE_DIR, config=ExportConfig(), jobs=len(ENTRY_POINTS))
-    checkpoint = load_checkpoint(model_dir, device)
-    cfg = wc.ModelConfig(
-        model_dir=model_dir, aoti_cache_dir=AOTI_CACHE_DIR, device=device, backend="aoti"
-    )
-    scoring = ScoringConfig(num_candidates=w.num_candidates, top_k=20)
-    model, backend = load_serving_model(cfg, checkpoint, torch.device(device), scoring)
-    return LoadedModel(checkpoint, model, backend, torch.device(device))
-
-
 def geometry(w: ReferenceWorkload, host_ceiling: bool) -> KVCacheConfig:
     if host_ceiling:
         g = NULL_GEOMETRY
@@ -494,15 +404,6 @@ def geometry(w: ReferenceWorkload, host_ceiling: bool) -> KVCacheConfig:
         )
     dtype = getattr(torch, w.dtype)
     return KVCacheConfig(w.num_layers, w.num_heads, w.head_dim, BLOCK_SIZE, dtype)
-
-
-def kv_budget(w: ReferenceWorkload, plan: Plan, geometry: KVCacheConfig) -> tuple[int, int]:
-    """(bytes, blocks) for every user at its final (window-capped) length, +1 block each."""
-    every = np.concatenate([*plan.prime, plan.throughput, *(u for _, u in plan.rates)])
-    events = np.bincount(every, minlength=len(plan.lengths)) + 1  # + the warm event
-    final = np.minimum(plan.lengths + events, w.max_seq_len)
-    blocks = int(np.sum(-(-final // BLOCK_SIZE) + 1)) + 64
-    return blocks * geometry.bytes_per_block, blocks
 
 
 def worker_config(bootstrap: str, w: ReferenceWorkload, ns: argparse.Namespace, kv: int) -> Any:
@@ -543,10 +444,15 @@ async def _phases(bench: Bench, plan: Plan, ns: argparse.Namespace) -> list[Row]
     rows = [await waves(bench, "warm", [users[n : n + step] for n in range(0, ns.users, step)])]
     _progress(rows[-1])
     _progress(await waves(bench, "prime (untimed)", plan.prime))
+    tracing = bool(ns.gpu_trace) and ns.processes == 1  # CUPTI sees this process only
+    if tracing:  # CUPTI's first start stalls the process ~2 s: pay it here, untimed
+        ns.results_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(gpu_trace, 0.05, ns.results_dir / "gpu_trace_warmup.json")
     rows.append(await waves(bench, "throughput", [plan.throughput]))
     _progress(rows[-1])
     for rate, users in plan.rates:
-        trace = ns.results_dir / f"gpu_trace_{rate:g}.json" if rate in ns.gpu_trace else None
+        traced = tracing and rate in ns.gpu_trace
+        trace = ns.results_dir / f"gpu_trace_{rate:g}.json" if traced else None
         rows.append(await paced(bench, rate, users, ns.drain_s, trace))
         _progress(rows[-1])
         if not rows[-1]["complete"]:
@@ -555,13 +461,46 @@ async def _phases(bench: Bench, plan: Plan, ns: argparse.Namespace) -> list[Row]
     return rows
 
 
-async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
-    w: ReferenceWorkload = WORKLOADS[ns.config]
+def user_blocks(w: ReferenceWorkload, plan: Plan) -> IntArray:
+    """KV blocks of each user at its final (window-capped) length, +1 block each."""
+    every = np.concatenate([*plan.prime, plan.throughput, *(u for _, u in plan.rates)])
+    events = np.bincount(every, minlength=len(plan.lengths)) + 1  # + the warm event
+    final = np.minimum(plan.lengths + events, w.max_seq_len)
+    return np.asarray(-(-final // BLOCK_SIZE) + 1, dtype=np.int64)
+
+
+def kv_budget(w: ReferenceWorkload, plan: Plan, geometry: KVCacheConfig) -> tuple[int, int]:
+    """(bytes, blocks) for every user at its final (window-capped) length, +1 block each."""
+    blocks = int(np.sum(user_blocks(w, plan))) + 64
+    return blocks * geometry.bytes_per_block, blocks
+
+
+def process_kv_budget(
+    w: ReferenceWorkload, plan: Plan, geometry: KVCacheConfig, partitions: int, processes: int
+) -> tuple[int, int]:
+    """(bytes, blocks) for the users of the largest share of partitions one of
+    ``processes`` members can get (the range assignor: contiguous, the first members one
+    more), so that every process holds its own users at their final lengths."""
+    from aiokafka.partitioner import murmur2
+
+    part = np.array(
+        [(murmur2(f"u{u}".encode()) & 0x7FFFFFFF) % partitions for u in range(len(plan.lengths))]
+    )
+    per_part = np.bincount(part, weights=user_blocks(w, plan), minlength=partitions)
+    sizes = [partitions // processes + (i < partitions % processes) for i in range(processes)]
+    edges = np.cumsum([0, *sizes])
+    blocks = int(max(per_part[lo:hi].sum() for lo, hi in itertools.pairwise(edges))) + 64
+    return blocks * geometry.bytes_per_block, blocks
+
+
+@contextlib.asynccontextmanager
+async def local_side(
+    ns: argparse.Namespace, w: ReferenceWorkload, plan: Plan, config: Any, budget: int
+) -> AsyncIterator[tuple[WorkerSide, int, Row]]:
+    """``App`` on this loop: yields it, the item count its model knows, and set-up times."""
     t0 = time.perf_counter()
     loaded = loaded_model(w, ns.device, ns.host_ceiling, ns.aoti)
     build_s = time.perf_counter() - t0
-    plan = make_plan(w, ns, np.random.default_rng(ns.seed))
-    budget, blocks = kv_budget(w, plan, geometry(w, ns.host_ceiling))
     # A dense prefill holds [H, N, N] temporaries per rebuilt user; the fused one (issue
     # 14, not in the "before" tree) only its [T, ...] activations.
     fused = importlib.util.find_spec("streamrec.models.prefill_attention") is not None
@@ -585,6 +524,67 @@ async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
     known = len(loaded.checkpoint.vocab.items)
     await _preload(store, plan.lengths, known, np.random.default_rng(ns.seed))
     preload_s = time.perf_counter() - t0
+    acks = AckLog()
+    app = App(config, model=loaded, store=store, on_published=acks)
+    worker = asyncio.create_task(app.run())
+    try:
+        deadline = time.monotonic() + ns.timeout_s
+        while not app.ready:
+            if worker.done() or time.monotonic() > deadline:
+                raise BrokerError(f"the bench worker was not ready within {ns.timeout_s} s")
+            await asyncio.sleep(0.05)
+        if ns.switch_interval_ms:  # after App.run set its own
+            sys.setswitchinterval(ns.switch_interval_ms / 1000.0)
+        yield LocalWorker(app, worker, acks), known, {
+            "model_build_s": round(build_s, 2), "preload_s": round(preload_s, 2)
+        }  # fmt: skip
+    finally:
+        app.stop()
+        status = await worker
+        await store.close()
+    if status != 0:
+        raise BrokerError("the bench worker exited with an error (see its log)")
+
+
+@contextlib.asynccontextmanager
+async def fleet_side(
+    ns: argparse.Namespace, w: ReferenceWorkload, plan: Plan, config: Any
+) -> AsyncIterator[tuple[WorkerSide, int, Row]]:
+    """``ns.processes`` worker processes in one group (bench/worker_side.py)."""
+    t0 = time.perf_counter()
+    specs = [
+        ChildSpec(
+            index=i,
+            config=config,
+            workload=w,
+            device=ns.device,
+            host_ceiling=ns.host_ceiling,
+            aoti=ns.aoti,
+            lengths=plan.lengths,
+            seed=ns.seed,
+            threads=ns.threads,
+        )
+        for i in range(ns.processes)
+    ]
+    fleet = Fleet(specs)
+    try:
+        known = await fleet.ready(ns.partitions, ns.timeout_s)
+        if ns.switch_interval_ms:
+            fleet.set_switch_interval(ns.switch_interval_ms)
+        yield fleet, known, {"ready_s": round(time.perf_counter() - t0, 2)}
+    finally:
+        status = await asyncio.to_thread(fleet.stop, ns.timeout_s)
+    if status != 0:
+        raise BrokerError(f"a bench worker process exited with status {status} (see its log)")
+
+
+async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
+    w: ReferenceWorkload = WORKLOADS[ns.config]
+    plan = make_plan(w, ns, np.random.default_rng(ns.seed))
+    geo = geometry(w, ns.host_ceiling)
+    budget, blocks = kv_budget(w, plan, geo)
+    if ns.processes > 1:
+        budget, blocks = process_kv_budget(w, plan, geo, ns.partitions, ns.processes)
     ctx = mp.get_context("spawn")
     async with DevBroker() as broker:
         config = worker_config(broker.bootstrap_servers, w, ns, budget)
@@ -592,34 +592,25 @@ async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
         await broker.create_topics_async(
             {t.playback: parts, t.interaction: parts, t.output: parts, t.dead_letter: 1}
         )
-        conn, child = ctx.Pipe()
-        args = (broker.bootstrap_servers, t.playback, known, parts, child)
-        proc = ctx.Process(target=producer_process, args=args, daemon=True)
-        proc.start()
-        acks = AckLog()
-        app = App(config, model=loaded, store=store, on_published=acks)
-        worker = asyncio.create_task(app.run())
-        bench = Bench(app, worker, conn, acks, EventBook(plan.lengths), ns.timeout_s)
-        try:
-            deadline = time.monotonic() + ns.timeout_s
-            while not app.ready:
-                if worker.done() or time.monotonic() > deadline:
-                    raise BrokerError(f"the bench worker was not ready within {ns.timeout_s} s")
-                await asyncio.sleep(0.05)
-            if ns.switch_interval_ms:  # after App.run set its own
-                sys.setswitchinterval(ns.switch_interval_ms / 1000.0)
-            rows = await _phases(bench, plan, ns)
-        finally:
-            with contextlib.suppress(OSError):
-                conn.send(None)
-            await asyncio.to_thread(proc.join, 10.0)
-            if proc.is_alive():
-                proc.terminate()
-            app.stop()
-            status = await worker
-            await store.close()
-        if status != 0:
-            raise BrokerError("the bench worker exited with an error (see its log)")
+        side_cm = (
+            fleet_side(ns, w, plan, config)
+            if ns.processes > 1
+            else local_side(ns, w, plan, config, budget)
+        )
+        async with side_cm as (side, known, setup):
+            conn, child = ctx.Pipe()
+            args = (broker.bootstrap_servers, t.playback, known, parts, child)
+            proc = ctx.Process(target=producer_process, args=args, daemon=True)
+            proc.start()
+            bench = Bench(side, conn, EventBook(plan.lengths), ns.timeout_s)
+            try:
+                rows = await _phases(bench, plan, ns)
+            finally:
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+                await asyncio.to_thread(proc.join, 10.0)
+                if proc.is_alive():
+                    proc.terminate()
     cuda = ns.device == "cuda"
     lengths = plan.lengths
     meta: Row = {
@@ -627,6 +618,7 @@ async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
         "args": {k: v for k, v in vars(ns).items() if k not in ("argv", "results_dir")},
         "workload": dataclasses.asdict(w),
         "history_tokens": {"total": int(lengths.sum()), "median": float(np.median(lengths))},
+        "processes": ns.processes,
         "kv_budget_bytes": budget,
         "kv_blocks": blocks,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -634,8 +626,7 @@ async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
         "triton": str(getattr(sys.modules.get("triton"), "__version__", "absent")),
         "fused_attention": cuda and triton_available(),
         "torch_threads": torch.get_num_threads(),
-        "model_build_s": round(build_s, 2),
-        "preload_s": round(preload_s, 2),
+        **setup,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
     }
     return rows, meta
@@ -681,6 +672,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fetch-max-wait-ms", type=int, default=5, help="worker's consumer")
     parser.add_argument("--warm-wave", type=int, help="users per warm-up wave: 32 cuda, 0 = all")
     parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument(
+        "--processes", type=int, default=1, help="worker processes in the group (one GPU)"
+    )
     parser.add_argument("--drain-s", type=float, default=30.0, help="after a paced schedule")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per wait")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = default")

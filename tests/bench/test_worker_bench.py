@@ -36,3 +36,44 @@ def test_worker_bench_runs_end_to_end_on_the_dev_broker(tmp_path) -> None:
     assert latency["complete"] is True and isinstance(latency["sustained"], bool)
     assert latency["lag_at_end"] >= 0
     assert document["meta"]["kv_blocks"] > 0 and document["meta"]["device"] == "cpu"
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_worker_bench_runs_two_worker_processes_in_one_group(tmp_path) -> None:
+    argv = ["--config", "small", "--device", "cpu", "--users", "24", "--events", "300"]
+    argv += ["--rates", "100", "--seconds", "1.5", "--max-batch-users", "16", "--threads", "1"]
+    assert main([*argv, "--processes", "2", "--results-dir", str(tmp_path)]) == 0
+    document = json.loads((tmp_path / "worker_bench_small_cpu.json").read_text())
+    warm, throughput, latency = document["rows"]
+    assert document["meta"]["processes"] == 2
+    assert all(row["processes"] == 2 for row in (warm, throughput, latency))
+    # every event is covered once whichever process owned its user
+    assert warm["completed"] == warm["events"] == 24
+    assert throughput["completed"] == throughput["events"] == 300
+    assert latency["completed"] == latency["events"] == 150 == latency["e2p_events"]
+    assert latency["split_ms"]["step_p50_ms"] > 0  # the children's stage timings came back
+
+
+def test_process_kv_budget_covers_the_largest_partition_range() -> None:
+    from aiokafka.partitioner import murmur2
+
+    from bench.reference_config import HSTU_3L
+    from bench.worker_bench import BLOCK_SIZE, Plan, process_kv_budget, user_blocks
+
+    empty = np.zeros(0, dtype=np.int64)
+    lengths = np.array([100, 2_000, 30, 4_000, 5, 700], dtype=np.int64)
+    plan = Plan(lengths=lengths, prime=[], throughput=empty, rates=[])
+    per_user = user_blocks(HSTU_3L, plan)
+    assert per_user.tolist() == [-(-(n + 1) // BLOCK_SIZE) + 1 for n in lengths.tolist()]
+
+    class Geometry:
+        bytes_per_block = 10
+
+    part = [(murmur2(f"u{u}".encode()) & 0x7FFFFFFF) % 3 for u in range(len(lengths))]
+    by_part = [sum(b for b, p in zip(per_user, part, strict=True) if p == q) for q in range(3)]
+    # three partitions, two members: one gets partitions {0, 1}, the other {2}
+    _, blocks = process_kv_budget(HSTU_3L, plan, Geometry(), 3, 2)  # type: ignore[arg-type]
+    assert blocks == max(by_part[0] + by_part[1], by_part[2]) + 64
+    total, one = process_kv_budget(HSTU_3L, plan, Geometry(), 3, 1)  # type: ignore[arg-type]
+    assert one == int(per_user.sum()) + 64 and total == one * 10
