@@ -66,6 +66,11 @@ KNOWN_ENTRY_POINTS = (*ENTRY_POINTS, "extend_scratch")
 Progress = Callable[[str], None]
 # The wrappers hold the model as ``self.model``: constant names are "model.<parameter>".
 CONSTANT_PREFIX = "model."
+# A constant derived from the weights, not a weight: ``retrieve``'s normalised item table.
+# Traced inside the graph, the normalisation of 1M x 512 rows ran on every call (a 2 GB
+# read + write and a 1 GB temporary per call and per captured bucket, H200 2026-12-04);
+# bound at load to the model's cached copy (``HSTU.retrieval_table``) it runs once.
+RETRIEVAL_TABLE = "retrieval_table"
 # Weights stay out of the .so; check_lowerbound off so that size-1 dims are accepted.
 INDUCTOR_CONFIGS: dict[str, Any] = {
     "aot_inductor.check_lowerbound": False,
@@ -180,10 +185,22 @@ def tensor_dtype_label(dtype: torch.dtype) -> str:
 
 def constant_specs(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Name -> shape and dtype of every tensor a package of ``model`` may bind."""
-    return {
+    specs = {
         CONSTANT_PREFIX + name: {"shape": list(t.shape), "dtype": tensor_dtype_label(t.dtype)}
         for name, t in [*model.named_parameters(), *model.named_buffers()]
     }
+    weight = model.get_parameter("item_emb.weight")  # the normalised table's shape
+    label = tensor_dtype_label(weight.dtype)
+    specs[RETRIEVAL_TABLE] = {"shape": list(weight.shape), "dtype": label}
+    return specs
+
+
+def derived_constant(model: nn.Module, fqn: str) -> torch.Tensor | None:
+    """The tensor bound to a package constant that is not a weight (None: a weight)."""
+    if fqn != RETRIEVAL_TABLE:
+        return None
+    assert isinstance(model, HSTU), f"{fqn} needs an HSTU, got {type(model).__name__}"
+    return model.retrieval_table.get(model.item_emb.weight)  # [V, D], cached
 
 
 # ------------------------------------------------------------------ wrappers
@@ -267,11 +284,14 @@ class _Retrieve(nn.Module):
         super().__init__()
         self.model = model
         self.k = k
+        table = derived_constant(model, RETRIEVAL_TABLE)  # values matter only for export
+        self.register_buffer(RETRIEVAL_TABLE, table, persistent=False)
 
     def forward(
         self, user_emb: torch.Tensor, exclude: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.retrieve(user_emb, self.k, exclude)
+        table = self.get_buffer(RETRIEVAL_TABLE)  # [V, D], a package constant
+        return self.model.retrieve_over(table, user_emb, self.k, exclude)
 
 
 # ------------------------------------------------------------ example inputs

@@ -43,6 +43,7 @@ from streamrec.models.aoti_export import (
     ExportConfig,
     Progress,
     build_package,
+    derived_constant,
     effective_k,
     package_key,
     read_model_config,
@@ -396,7 +397,9 @@ def _bind_weights(
     named = dict(weights.named_parameters()) | dict(weights.named_buffers())
     bound: dict[str, torch.Tensor] = {}
     for fqn in runner.get_constant_fqns():
-        tensor = named.get(fqn.removeprefix(CONSTANT_PREFIX))
+        tensor = derived_constant(weights, fqn)
+        if tensor is None:
+            tensor = named.get(fqn.removeprefix(CONSTANT_PREFIX))
         spec = specs.get(fqn)
         if tensor is None or spec is None:
             raise ExportError(f"{path}: needs constant {fqn!r}, which the model does not have")

@@ -641,6 +641,13 @@ class HSTU(nn.Module):
         k-th place may then pick other rows of equal score than ``torch.topk`` does.
         """
         table = self.retrieval_table.get(self.item_emb.weight)  # [V, D]
+        return self.retrieve_over(table, user_emb, k, exclude)
+
+    def retrieve_over(
+        self, table: torch.Tensor, user_emb: torch.Tensor, k: int, exclude: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``retrieve`` against ``table``, the normalised item rows [V, D]: the AOTI
+        package takes it as a bound constant, so a call never normalises the catalogue."""
         first = self.config.first_item_row
         if fused_retrieval_enabled(self.attention_backend, user_emb, table, k, first):
             return fused_retrieve(user_emb, table, exclude, k, first)
