@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from streamrec.models.aoti_export import ExportConfig, export_model
+from streamrec.models.aoti_export import GENERATION_ENTRY_POINTS, ExportConfig, export_model
 from streamrec.models.aoti_runtime import AOTIModel, open_aoti_model
 from streamrec.models.checkpoint import Checkpoint, save_checkpoint
 from streamrec.models.config import HSTUConfig
@@ -31,6 +31,8 @@ EXPORT = ExportConfig(retrieve_k=256)
 # test_quantization's package: FP8 weights and pool, the entry point that reads and writes both.
 FP8_BOTH = ServingPrecision(kv_dtype="fp8_e4m3", weight_dtype="fp8")
 FP8_EXPORT = ExportConfig(entry_points=("extend",), precision=FP8_BOTH)
+# test_aoti_extend_scratch's package: the entry points a draft model's package holds.
+GENERATION = ExportConfig(entry_points=GENERATION_ENTRY_POINTS, retrieve_k=8)
 REL_TOL = 1e-5
 
 

@@ -2,11 +2,10 @@
 
 One small graph is compiled here (``retrieve``, in a child process through the parallel
 path); how a build adds entry points is checked with a stand-in compiler. The four-graph
-package and its equality with eager are covered by test_aoti_runtime.py. The ``retrieve``
-package stays in the cache: it has the key of test_aoti_extend_scratch.py's generation
-package, whose fixture then adds ``extend_scratch`` to it instead of compiling both. This
-module starts the background builds of the packages that later modules load
-(aoti_prebuild.py), so that they compile alongside these.
+package and its equality with eager are covered by test_aoti_runtime.py. The child's
+package has a key of its own (``retrieve_k=7``): the packages that other modules load are
+built in the background while the worker tests run, and those modules run last
+(aoti_prebuild.py).
 """
 
 from __future__ import annotations
@@ -25,8 +24,10 @@ from streamrec.models.checkpoint import load_checkpoint, model_version
 from streamrec.models.package_cache import PackageCache
 from tests.models.aoti_fixtures import CACHE_DIR, make_batch, rel_err, tiny_model_dir
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aoti_prebuilds")]
+pytestmark = pytest.mark.slow
 RETRIEVE_ONLY = ExportConfig(entry_points=("retrieve",), retrieve_k=8)
+# No other test's key (the generation package is retrieve_k=8): compiled afresh every run.
+CHILD_EXPORT = ExportConfig(entry_points=("retrieve",), retrieve_k=7)
 
 
 def test_parallel_export_compiles_in_a_child_process(tmp_path: Path) -> None:
@@ -34,22 +35,22 @@ def test_parallel_export_compiles_in_a_child_process(tmp_path: Path) -> None:
     model = load_checkpoint(model_dir).model
     cache = PackageCache(CACHE_DIR)
     key = package_key(
-        model.config, "float32", model_version(model_dir), torch.device("cpu"), RETRIEVE_ONLY
+        model.config, "float32", model_version(model_dir), torch.device("cpu"), CHILD_EXPORT
     )
     if cache.directory(key).exists():  # left by an earlier run: compile it afresh
         cache.discard(cache.directory(key))
     lines: list[str] = []
     # a spawned process loads the model directory and compiles
-    first = export_model(model_dir, "cpu", CACHE_DIR, config=RETRIEVE_ONLY, jobs=2)
+    first = export_model(model_dir, "cpu", CACHE_DIR, config=CHILD_EXPORT, jobs=2)
     assert first.directory == cache.directory(key) and list(first.files) == ["retrieve"]
     version = model_version(model_dir)
-    again = build_package(model, version, CACHE_DIR, RETRIEVE_ONLY, progress=lines.append)
+    again = build_package(model, version, CACHE_DIR, CHILD_EXPORT, progress=lines.append)
     assert again.directory == first.directory and lines == []  # a hit: nothing compiled
     aoti = load_package(first, torch.device("cpu"), model)
     emb = torch.nn.functional.normalize(torch.randn(3, model.config.d_model), dim=-1)
     exclude = torch.full((3, 2), -1, dtype=torch.int64)
     with torch.no_grad():
-        got, want = aoti.retrieve(emb, 8, exclude), model.retrieve(emb, 8, exclude)
+        got, want = aoti.retrieve(emb, 7, exclude), model.retrieve(emb, 7, exclude)
     assert rel_err(got[0], want[0]) < 1e-5 and torch.equal(got[1], want[1])
     with pytest.raises(ExportError, match="no 'extend' entry point"):
         aoti.extend(*make_batch(model, [2], [1], seed=1).extend_args())

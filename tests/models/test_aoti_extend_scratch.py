@@ -1,6 +1,10 @@
 """``extend_scratch`` through AOTInductor on the CPU: a generation package (the entry
 points a draft model's package holds) equals eager, and a generator driving it emits
-exactly what the eager generator does."""
+exactly what the eager generator does.
+
+The package is built in the background beside the worker tests, which this module runs
+after (aoti_prebuild.py: one process, entry point after entry point, as
+``build_package`` does in the process that asks), or here when there was none."""
 
 from __future__ import annotations
 
@@ -11,20 +15,17 @@ import pytest
 import torch
 
 from streamrec.errors import ModelError
-from streamrec.models.aoti_export import GENERATION_ENTRY_POINTS, ExportConfig
+from streamrec.models.aoti_export import ExportConfig
 from streamrec.models.aoti_runtime import AOTIModel, open_aoti_model
 from streamrec.models.checkpoint import load_checkpoint
 from streamrec.models.hstu import HSTU
 from streamrec.pipeline.generation_config import GenerationConfig
 from streamrec.pipeline.generation_workspace import ModelGeometry
 from streamrec.pipeline.generator import Generator, GenModel
-from tests.models.aoti_fixtures import CACHE_DIR, REL_TOL, rel_err, tiny_model_dir
+from tests.models.aoti_fixtures import CACHE_DIR, GENERATION, REL_TOL, rel_err, tiny_model_dir
 from tests.pipeline.generation_fixtures import CachedUsers, random_hstu
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("aoti_prebuilds")]
-# The key of test_aoti_export.py's retrieve package (same model, same k): after that test
-# the fixture below compiles only extend_scratch, in this process, and carries retrieve.
-GENERATION = ExportConfig(entry_points=GENERATION_ENTRY_POINTS, retrieve_k=8)
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def compiled(model_dir: Path) -> AOTIModel:
+def compiled(model_dir: Path, generation_prebuilt: None) -> AOTIModel:
     return open_aoti_model(
         model_dir, "cpu", CACHE_DIR, compile_if_missing=True, config=GENERATION, progress=print
     )

@@ -2,10 +2,10 @@
 
 The session fixture loads the tiny model's four entry points from the repo's
 ``.streamrec-cache``, compiled there by a background build (aoti_prebuild.py, two entry
-points at a time) that the first AOTI module started, or here when there was none (cold
-2-4 min on the shared 2-core machine); every later run loads it. The packages hold no
-weights: they are bound to the eager model's own tensors (issue 15), which the sharing
-test below proves by changing one in place.
+points at a time) beside the worker tests, which this module runs after, or here when
+there was none (cold 2-4 min on the shared 2-core machine); every later run loads it.
+The packages hold no weights: they are bound to the eager model's own tensors (issue
+15), which the sharing test below proves by changing one in place.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def eager(checkpoint: Checkpoint) -> HSTU:
 
 @pytest.fixture(scope="session")
 def compiled(checkpoint: Checkpoint, serving_prebuilt: None) -> Iterator[AOTIModel]:
-    model = tiny_aoti_model(checkpoint)  # built in the background since the first AOTI test
+    model = tiny_aoti_model(checkpoint)  # built in the background beside the worker tests
     mtimes = {p: p.stat().st_mtime_ns for p in model.package_dir.glob("*.pt2")}
     yield model
     # No call of any test recompiled or rewrote the package.

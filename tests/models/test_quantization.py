@@ -201,7 +201,8 @@ def test_serving_precision_is_validated_and_keys_only_what_changed() -> None:
 def test_an_fp8_model_exports_and_its_package_equals_eager(tmp_path: Path) -> None:
     """The fallback path (CPU) in an AOTI package: FP8 weights, FP8 pool read and written;
     the package is keyed by the precision and checks the pool's dtype. It was compiled in
-    the background since the first AOTI test (aoti_prebuild.py), else it compiles here."""
+    the background beside the worker tests, which this module runs after (aoti_prebuild.py),
+    else it compiles here."""
     both, config = FP8_BOTH, FP8_EXPORT
     model_dir = tiny_model_dir(tmp_path / "m")
     checkpoint = load_checkpoint(model_dir)

@@ -177,11 +177,12 @@ def _new_tokens(cfg: HSTUConfig, new: list[int], gen: torch.Generator, device: s
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("serving_prebuilt")
 @torch.no_grad()
 def test_aoti_backend_is_padded_and_checked_before_the_graph(tmp_path: Path) -> None:
     checkpoint = load_checkpoint(tiny_model_dir(tmp_path / "m"))
     eager = checkpoint.model
-    aoti = tiny_aoti_model(checkpoint)  # the package of tests/models (cached)
+    aoti = tiny_aoti_model(checkpoint)  # the tests' serving package (background build)
     batch = make_batch(eager, [0, 3, 7, 1, 10], [1, 2, 1, 1, 1], seed=5)  # 6 tokens: bucket 8
     config = GraphConfig(
         max_blocks=eager.config.max_seq_len // 4 + 2, num_candidates=3, buckets=(1, 2, 8),

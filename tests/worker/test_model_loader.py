@@ -37,8 +37,9 @@ def test_worker_and_tests_share_one_export_config() -> None:
     assert export_config_for(ScoringConfig()) == EXPORT
 
 
+@pytest.mark.usefixtures("serving_prebuilt")
 def test_serves_aoti_when_the_package_exists(model_dir: Path) -> None:
-    # Compiled by the models tests earlier in the session (same deterministic model).
+    # Built in the background for the session (same deterministic model), else here.
     open_aoti_model(model_dir, "cpu", CACHE_DIR, compile_if_missing=True, config=EXPORT)
 
     cfg = ModelConfig(model_dir=model_dir, aoti_cache_dir=CACHE_DIR, device="cpu", backend="aoti")
@@ -67,6 +68,7 @@ def test_falls_back_to_eager_with_a_warning(
     assert any("serving the eager model" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.usefixtures("serving_prebuilt")
 def test_backend_eager_opens_no_package(model_dir: Path, tmp_path: Path) -> None:
     """With an AOTI package in the cache, ``backend = "eager"`` still serves the module."""
     open_aoti_model(model_dir, "cpu", CACHE_DIR, compile_if_missing=True, config=EXPORT)
