@@ -212,9 +212,15 @@ class GraphedModel:
     def retrieve(
         self, user_emb: torch.Tensor, k: int, exclude: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bucketed on the user count like rank: padding users have zero embeddings and
-        exclude nothing; their rows are dropped. The fused top-k compiles a kernel per
-        tile shape, and a capture (at start, ``warm_up``) pays that once."""
+        """Bucketed on the user count like rank: padding users repeat the first user's
+        embedding and exclude nothing; their rows are dropped. The fused top-k compiles a
+        kernel per tile shape, and a capture (at start, ``warm_up``) pays that once.
+
+        Why not zeros: every item scores exactly 0 for a zero row, so the fused op's
+        threshold lets all of them through until each item chunk's region is compacted,
+        and its merge walks ~34,000 candidates instead of ~4,500 (H200, AOTI worker at
+        2,000 events/s, ~36 users in a 40-user bucket: select 0.56 ms and merge 0.53 ms
+        per call, against 0.33 and 0.10 for 40 real users)."""
         num_users, width = user_emb.shape[0], exclude.shape[1]
         bucket = self._bucket(num_users)
         shape = (k, user_emb.shape[1], user_emb.dtype)
@@ -231,7 +237,8 @@ class GraphedModel:
             return self.model.retrieve(user_emb, k, exclude)
         s_emb, s_exclude = entry.inputs
         s_emb[:num_users].copy_(user_emb)
-        s_emb[num_users:].zero_()
+        if num_users < bucket:
+            s_emb[num_users:].copy_(user_emb[:1].expand(bucket - num_users, -1))
         s_exclude.fill_(-1)
         s_exclude[:num_users, :width].copy_(exclude)
         scores, items = self._run(entry, f"retrieve/{bucket}")

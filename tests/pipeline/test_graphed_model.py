@@ -255,6 +255,26 @@ def test_retrieve_is_padded_to_its_bucket_and_equals_the_direct_call() -> None:
     assert graphed.stats.eager_calls == 1
 
 
+def test_retrieve_pads_with_a_real_users_embedding_not_zeros() -> None:
+    """A zero row ties every item at score 0, the fused top-k's worst case."""
+    model, cache, _, _ = _setup(2, [3, 5, 2])
+    graphed = _graphed(model, cache, cands=2, capture=False)
+    seen: list[torch.Tensor] = []
+    direct = model.retrieve
+
+    def recording(user_emb: torch.Tensor, k: int, exclude: torch.Tensor):
+        seen.append(user_emb.clone())
+        return direct(user_emb, k, exclude)
+
+    model.retrieve = recording  # type: ignore[method-assign]
+    emb = torch.nn.functional.normalize(torch.randn(3, model.config.d_model), dim=-1)
+    graphed.retrieve(emb, 5, torch.full((3, 2), -1))
+    (padded,) = seen
+    assert padded.shape[0] == graphed._bucket(3) > 3
+    assert torch.equal(padded[:3], emb)
+    assert torch.equal(padded[3:], emb[:1].expand(padded.shape[0] - 3, -1))
+
+
 class _CountingChecks:
     """The eager module behind a ``CheckedModel`` face that counts its checks."""
 
