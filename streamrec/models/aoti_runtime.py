@@ -85,8 +85,12 @@ class AOTIModel:
         check_values: bool = True,
         lease: PackageLease | None = None,
         kv_dtype: torch.dtype | None = None,
+        derived: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self._runners = runners
+        # Tensors bound to the runners that are not ``weights``' own (``derived_constant``):
+        # the runners hold pointers only, so this keeps them alive as long as the runners.
+        self._derived = dict(derived or {})
         self.config = config
         self.dtype = dtype
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype  # the pool's dtype
@@ -102,7 +106,7 @@ class AOTIModel:
         return AOTIModel(
             self._runners, self.config, self.dtype, self.device, self.retrieve_k,
             self.package_dir, self.weights, check_values=False, lease=self.lease,
-            kv_dtype=self.kv_dtype,
+            kv_dtype=self.kv_dtype, derived=self._derived,
         )  # fmt: skip
 
     # ---------------------------------------------------------- entry points
@@ -392,13 +396,18 @@ class AOTIModel:
 
 def _bind_weights(
     runner: Any, path: Path, weights: nn.Module, specs: dict[str, Any], device: torch.device
-) -> None:
-    """Point the runner's constants at ``weights``' tensors (checked against the manifest)."""
+) -> dict[str, torch.Tensor]:
+    """Point the runner's constants at ``weights``' tensors (checked against the manifest);
+    returns the derived ones (``derived_constant``), which the caller must keep alive."""
     named = dict(weights.named_parameters()) | dict(weights.named_buffers())
     bound: dict[str, torch.Tensor] = {}
+    derived: dict[str, torch.Tensor] = {}
     for fqn in runner.get_constant_fqns():
-        tensor = derived_constant(weights, fqn)
-        if tensor is None:
+        with torch.no_grad():  # the model's cached copy, not a fresh autograd result
+            tensor = derived_constant(weights, fqn)
+        if tensor is not None:
+            derived[fqn] = tensor
+        else:
             tensor = named.get(fqn.removeprefix(CONSTANT_PREFIX))
         spec = specs.get(fqn)
         if tensor is None or spec is None:
@@ -414,6 +423,7 @@ def _bind_weights(
         runner.load_constants(bound, check_full_update=True, user_managed=True)
     except TypeError:  # a torch without user-managed constants: the runner keeps a copy
         runner.load_constants(bound, check_full_update=True)
+    return derived
 
 
 def load_package(
@@ -440,6 +450,7 @@ def load_package(
     device = pinned(device)
     index = -1 if device.type == "cpu" else device.index
     runners: dict[str, Runner] = {}
+    derived: dict[str, torch.Tensor] = {}
     for name in names:
         path = package.files[name]
         try:
@@ -447,7 +458,7 @@ def load_package(
                 runner = torch._inductor.aoti_load_package(
                     str(path), run_single_threaded=True, device_index=index
                 )
-            _bind_weights(runner, path, weights, specs, device)
+            derived |= _bind_weights(runner, path, weights, specs, device)
         except ExportError:
             raise
         except Exception as exc:  # the loader raises RuntimeError, OSError, zip errors ...
@@ -455,7 +466,7 @@ def load_package(
         runners[name] = runner
     return AOTIModel(
         runners, config, dtype, device, retrieve_k, package.directory, weights, check_values,
-        lease, kv_storage_dtype(precision, dtype),
+        lease, kv_storage_dtype(precision, dtype), derived,
     )  # fmt: skip
 
 

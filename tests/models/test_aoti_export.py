@@ -18,7 +18,13 @@ import torch
 
 from streamrec.errors import ExportError
 from streamrec.models import aoti_export
-from streamrec.models.aoti_export import ExportConfig, build_package, export_model, package_key
+from streamrec.models.aoti_export import (
+    RETRIEVAL_TABLE,
+    ExportConfig,
+    build_package,
+    export_model,
+    package_key,
+)
 from streamrec.models.aoti_runtime import load_package
 from streamrec.models.checkpoint import load_checkpoint, model_version
 from streamrec.models.package_cache import PackageCache
@@ -52,6 +58,17 @@ def test_parallel_export_compiles_in_a_child_process(tmp_path: Path) -> None:
     with torch.no_grad():
         got, want = aoti.retrieve(emb, 7, exclude), model.retrieve(emb, 7, exclude)
     assert rel_err(got[0], want[0]) < 1e-5 and torch.equal(got[1], want[1])
+    # The normalised table is a constant bound to the model's cached copy, not computed in
+    # the graph: flipping the cached copy in place flips the package's scores too.
+    assert RETRIEVAL_TABLE in aoti._runner("retrieve").get_constant_fqns()
+    assert first.manifest["constants"][RETRIEVAL_TABLE]["shape"] == list(
+        model.item_emb.weight.shape
+    )
+    with torch.no_grad():
+        model.retrieval_table.get(model.item_emb.weight).neg_()
+        flipped, want = aoti.retrieve(emb, 7, exclude), model.retrieve(emb, 7, exclude)
+    assert rel_err(flipped[0], want[0]) < 1e-5 and torch.equal(flipped[1], want[1])
+    assert not torch.equal(flipped[1], got[1])  # the flip changed the answer
     with pytest.raises(ExportError, match="no 'extend' entry point"):
         aoti.extend(*make_batch(model, [2], [1], seed=1).extend_args())
 
