@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|workers|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -63,6 +63,22 @@ for stage in "$@"; do
       cp "$OUT/h200.json" "$OUT/h200_rest.json"
       python3 -m bench.engine_bench --config hstu-8l --device cuda --steps 40 2>&1 | tail -8
       cp bench/results/engine_hstu-8l_cuda.json "$OUT/" 2>/dev/null ;;
+    workers)  # issue 13's process model (2026-12-04): host ceiling and the AOTI worker with
+      # 1, 2, 3 worker processes on the one GPU, the dev broker's own latency beside them.
+      # Packages: bench.aoti_packages first (~130 s) or a carried .streamrec-cache/bench-aoti.
+      mkdir -p "$OUT/workers"
+      python3 -m bench.broker_latency --rate 2000 --seconds 4 --machine h200-host \
+        --results-dir "$OUT/workers" 2>&1 | tail -4
+      hc="--config hstu-8l --host-ceiling --users 2000 --events 100000 --rates 10000 20000
+          50000 --seconds 4 --drain-s 10 --max-batch-users 256 --partitions 12 --machine h200-host"
+      w8="--config hstu-8l --device cuda --aoti --users 2000 --events 60000 --rates 2000 5000
+          10000 --seconds 5 --drain-s 8 --max-batch-users 256 --partitions 12 --warm-wave 256"
+      for n in ${WORKER_PROCESSES:-1 2 3}; do
+        timeout 170 python3 -m bench.worker_bench $hc --processes "$n" --label "processes-$n" \
+          --results-dir "$OUT/workers" 2>&1 | grep -E "^(throughput|latency) " | tail -4
+        timeout 200 python3 -m bench.worker_bench $w8 --processes "$n" \
+          --results-dir "$OUT/workers/p$n" 2>&1 | grep -E "^(warm|throughput|latency) " | tail -5
+      done ;;
     worker|worker-eager|worker-aoti)  # (e): the whole worker with the dev broker here
       flags=""; [ "$stage" = worker-eager ] && flags="--no-cuda-graphs"
       [ "$stage" = worker-aoti ] && flags="--aoti"  # AOTI packages in CUDA graphs (issue 15)
