@@ -163,6 +163,12 @@ def _consume(args: argparse.Namespace) -> int:
     return run_consume(args, config.kafka, config.topics.output)
 
 
+def _probe(args: argparse.Namespace) -> int:
+    from streamrec.tools.probe_command import run_probe
+
+    return run_probe(args)
+
+
 def _export(args: argparse.Namespace) -> int:
     """``streamrec export``: flags beat the worker config, so the package the worker
     looks for (model dir, cache dir, device, retrieve k) is the one that gets built."""
@@ -458,6 +464,13 @@ def _build_consume(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=_consume)
 
 
+def _build_probe(parser: argparse.ArgumentParser) -> None:
+    from streamrec.tools.probe_command import add_probe_arguments
+
+    add_probe_arguments(parser)
+    parser.set_defaults(handler=_probe)
+
+
 @dataclass(frozen=True)
 class Command:
     name: str
@@ -480,6 +493,9 @@ COMMANDS: Final = (
     Command("export", "compile a model to an AOTInductor package", _build_export),
     Command("bench", "run a benchmark of bench/ (source checkout)", _build_bench),
     Command("config", "inspect the configuration", _build_config),
+    Command(
+        "probe", "exit 0 only if every worker port answers 200 (a pod's exec probe)", _build_probe
+    ),
 )
 
 
