@@ -9,9 +9,10 @@ Supported: ``resources`` (files and directories), ``components``, ``configMapGen
 (``files``, ``options.labels``, ``options.disableNameSuffixHash``), ``patches`` (``path``
 to a strategic-merge patch naming its target by kind and name) and ``images``
 (``name`` -> ``newName``:``newTag``). Strategic merge follows the Kubernetes patch
-strategy of the fields we patch: lists in ``MERGE_KEYS`` merge item by item, an item
-with ``$patch: delete`` removes its match, ``null`` removes a field, other lists are
-replaced. Generated ConfigMap names get a content-hash suffix (not byte-identical to
+strategy of the fields we patch: lists in ``MERGE_KEYS`` (``SERVICE_MERGE_KEYS`` in a
+Service) merge item by item, an item with ``$patch: delete`` removes its match, ``null``
+removes a field, other lists are replaced (as kustomize does for CRDs, which carry no
+merge keys). Generated ConfigMap names get a content-hash suffix (not byte-identical to
 kustomize's) and pod-template references to them are rewritten, as kustomize does.
 """
 
@@ -39,6 +40,9 @@ MERGE_KEYS = {
     "volumeMounts": "mountPath",
     "ports": "containerPort",
 }
+# A Service's spec.ports merge by port number (ServiceSpec.ports' patch merge key).
+SERVICE_MERGE_KEYS = {**MERGE_KEYS, "ports": "port"}
+MERGE_KEYS_BY_KIND = {"Service": SERVICE_MERGE_KEYS}
 _FILE_NAMES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
 
 
@@ -52,24 +56,29 @@ def load_documents(path: Path) -> list[Resource]:
         return [doc for doc in yaml.safe_load_all(fh) if doc]
 
 
-def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
-    """Merge ``patch`` into a copy of ``base`` the way the API server's SMP does."""
+def strategic_merge(
+    base: Any, patch: Any, field: str = "", merge_keys: dict[str, str] = MERGE_KEYS
+) -> Any:
+    """Merge ``patch`` into a copy of ``base`` the way the API server's SMP does
+    (``merge_keys``: the list fields that merge item by item, and their keys)."""
     if isinstance(base, dict) and isinstance(patch, dict):
         out = copy.deepcopy(base)
         for key, value in patch.items():
             if value is None:
                 out.pop(key, None)
             elif key in out:
-                out[key] = strategic_merge(out[key], value, key)
+                out[key] = strategic_merge(out[key], value, key, merge_keys)
             else:
                 out[key] = _strip_directives(value)
         return out
-    if isinstance(base, list) and isinstance(patch, list) and field in MERGE_KEYS:
-        return _merge_list(base, patch, MERGE_KEYS[field])
+    if isinstance(base, list) and isinstance(patch, list) and field in merge_keys:
+        return _merge_list(base, patch, merge_keys[field], merge_keys)
     return _strip_directives(patch)
 
 
-def _merge_list(base: list[Any], patch: list[Any], key: str) -> list[Any]:
+def _merge_list(
+    base: list[Any], patch: list[Any], key: str, merge_keys: dict[str, str]
+) -> list[Any]:
     out = copy.deepcopy(base)
     for item in patch:
         if key not in item:
@@ -82,7 +91,7 @@ def _merge_list(base: list[Any], patch: list[Any], key: str) -> list[Any]:
         elif index is None:
             out.append(_strip_directives(item))
         else:
-            out[index] = strategic_merge(out[index], item)
+            out[index] = strategic_merge(out[index], item, merge_keys=merge_keys)
     return out
 
 
@@ -184,7 +193,8 @@ class Kustomization:
         if len(hits) != 1:
             raise KustomizeError(f"patch {patch['path']!r} matches {len(hits)} resources")
         out = list(resources)
-        out[hits[0]] = strategic_merge(resources[hits[0]], body)
+        merge_keys = MERGE_KEYS_BY_KIND.get(body["kind"], MERGE_KEYS)
+        out[hits[0]] = strategic_merge(resources[hits[0]], body, merge_keys=merge_keys)
         return out
 
 

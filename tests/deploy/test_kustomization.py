@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,33 @@ def test_delete_directive_and_null_remove() -> None:
 def test_unkeyed_lists_are_replaced() -> None:
     merged = strategic_merge({"args": ["a", "b"]}, {"args": ["c"]})
     assert merged == {"args": ["c"]}
+
+
+def test_ports_merge_by_container_port_in_pods_and_by_port_in_services(tmp_path: Path) -> None:
+    port = {"name": "metrics", "port": 9400, "targetPort": "metrics"}
+    (tmp_path / "objects.yaml").write_text(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: svc}\n"
+        f"spec: {{ports: [{json.dumps(port)}]}}\n---\n"
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: app}\n"
+        "spec:\n  template:\n    spec:\n      containers:\n"
+        "        - {name: c, image: app, ports: [{name: metrics, containerPort: 9400}]}\n"
+    )
+    (tmp_path / "service.yaml").write_text(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: svc}\n"
+        "spec: {ports: [{name: metrics-w1, port: 9401, targetPort: metrics-w1}]}\n"
+    )
+    (tmp_path / "deployment.yaml").write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: app}\n"
+        "spec:\n  template:\n    spec:\n      containers:\n"
+        "        - {name: c, ports: [{name: metrics-w1, containerPort: 9401}]}\n"
+    )
+    (tmp_path / "kustomization.yaml").write_text(
+        "resources: [objects.yaml]\npatches: [{path: service.yaml}, {path: deployment.yaml}]\n"
+    )
+    service, deployment = Kustomization(tmp_path).render()
+    assert [p["port"] for p in service["spec"]["ports"]] == [9400, 9401]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert [p["containerPort"] for p in container["ports"]] == [9400, 9401]
 
 
 def test_unsupported_kustomization_field_is_refused(tmp_path: Path) -> None:

@@ -21,6 +21,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from streamrec.tools.cli import build_parser, config_overrides
+from streamrec.tools.probe_command import parse_ports
+from streamrec.tools.supervisor import RestartPolicy, child_specs, select_gpus, supervising
+from streamrec.worker.config import WorkerConfig
 from streamrec.worker.config_sources import load_config
 from tests.deploy.kustomization import Kustomization, Resource, load_documents
 
@@ -39,7 +43,13 @@ CRD_SCHEMAS = {
     "PrometheusRule": "prometheusrule.json",
     "ServiceMonitor": "servicemonitor.json",
 }
+GPU_OVERLAYS = ("gpu", "gpu-eager")
 POD_NAME = "streamrec-0"
+# What the GPU overlays run (deploy/README.md, "Several GPUs per node"): the supervisor
+# with three worker processes on the pod's one GPU (BENCHMARKS.md, issue 13).
+GPU_WORKER_ARGS = [
+    "run", "--config", "/etc/streamrec/config.toml", "--gpus", "all", "--workers-per-gpu", "3",
+]  # fmt: skip
 
 # The metrics contract (deploy/README.md "Metrics contract"): name -> (type, labels).
 CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
@@ -109,6 +119,22 @@ def _config_map_name(resources: list[Resource]) -> str:
     return next(v["configMap"]["name"] for v in pod["volumes"] if v["name"] == "config")
 
 
+def pod_children(resources: list[Resource], directory: Path) -> list[WorkerConfig]:
+    """The worker processes of pod 0, each with its config: what `streamrec run` with the
+    container's args starts there (the supervisor's children, or the one worker)."""
+    container = worker(resources)
+    args = build_parser("run").parse_args(container["args"])
+    path = directory / "config.toml"
+    path.write_text(config_toml(resources))
+    config = load_config(path, environ=pod_environ(container), overrides=config_overrides(args))
+    if not supervising(args):
+        return [config]
+    assert args.gpus == "all", "a pod's supervisor runs on the GPUs the pod holds"
+    gpus = select_gpus(args.gpus, container["resources"]["limits"]["nvidia.com/gpu"], None)
+    specs = child_specs(config, gpus, 0, "no-host-name", workers_per_gpu=args.workers_per_gpu)
+    return [spec.config for spec in specs]
+
+
 def pod_environ(container: dict[str, Any]) -> dict[str, str]:
     """The container's STREAMREC_* environment as the kubelet would set it in pod 0."""
     out = {}
@@ -176,33 +202,69 @@ def test_config_map_loads_with_the_worker_config_loader(
 
 
 def test_grace_period_exceeds_the_drain_bound(rendered: list[Resource]) -> None:
+    # A supervisor kills the children still running drain + its kill grace after SIGTERM;
+    # the kubelet must not kill the supervisor first (one worker: the same margin).
     drain_s = tomllib.loads(config_toml(rendered))["group"]["drain_timeout_s"]
     pod = only(rendered, "StatefulSet")["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] > drain_s + 10
+    assert pod["terminationGracePeriodSeconds"] > drain_s + RestartPolicy().kill_grace_s
 
 
-def test_group_instance_id_is_the_pod_name(rendered: list[Resource]) -> None:
+def test_group_instance_id_is_the_pod_name(rendered: list[Resource], tmp_path: Path) -> None:
     env = {e["name"]: e for e in worker(rendered)["env"]}
     field = env["STREAMREC_GROUP__GROUP_INSTANCE_ID"]["valueFrom"]["fieldRef"]
     assert field["fieldPath"] == "metadata.name"
     pod = only(rendered, "StatefulSet")["spec"]["template"]["spec"]
     assert pod["enableServiceLinks"] is False, "service links inject unknown STREAMREC_* vars"
+    # Each process of the pod is its own static member: the pod name, or the pod name
+    # and the supervisor's child name (<pod>-gpu0-w<j>), stable across restarts.
+    ids = [c.group.group_instance_id or "" for c in pod_children(rendered, tmp_path)]
+    assert len(set(ids)) == len(ids)
+    assert ids == [POD_NAME] or all(i.startswith(f"{POD_NAME}-gpu0-") for i in ids), ids
 
 
-def test_probes_hit_health_endpoints_on_the_metrics_port(rendered: list[Resource]) -> None:
+EXPECTED_PROBES = {
+    "startupProbe": "/healthz",
+    "livenessProbe": "/healthz",
+    "readinessProbe": "/readyz",
+}
+
+
+def test_probes_cover_every_worker_process(rendered: list[Resource], tmp_path: Path) -> None:
+    """The kubelet probes one port; with several processes in the pod an exec probe
+    (`streamrec probe`) must reach every child's port, or a hung child goes unnoticed."""
     container = worker(rendered)
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    http_port = tomllib.loads(config_toml(rendered))["http"]["port"]
-    assert ports == {"metrics": http_port}
-    expected = {
-        "startupProbe": "/healthz",
-        "livenessProbe": "/healthz",
-        "readinessProbe": "/readyz",
-    }
-    for probe, path in expected.items():
-        assert container[probe]["httpGet"] == {"path": path, "port": "metrics"}
+    ports = [c.http.port for c in pod_children(rendered, tmp_path)]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert sorted(named.values()) == ports, "one named container port per process"
+    assert named["metrics"] == ports[0]
+    for probe, path in EXPECTED_PROBES.items():
+        if len(ports) == 1:
+            assert container[probe]["httpGet"] == {"path": path, "port": "metrics"}
+            continue
+        assert "httpGet" not in container[probe], "a probe has one handler"
+        command = container[probe]["exec"]["command"]
+        assert command[:2] == ["streamrec", "probe"]
+        args = build_parser("probe").parse_args(command[1:])
+        assert (parse_ports(args.ports), args.path, args.host) == (ports, path, "127.0.0.1")
+        assert container[probe]["timeoutSeconds"] > args.timeout, "the kubelet waits it out"
+
+
+def test_every_worker_process_is_scraped(rendered: list[Resource], tmp_path: Path) -> None:
+    container_ports = {p["name"]: p["containerPort"] for p in worker(rendered)["ports"]}
+    ports = [c.http.port for c in pod_children(rendered, tmp_path)]
     for service in (r for r in rendered if r["kind"] == "Service"):
-        assert [p["targetPort"] for p in service["spec"]["ports"]] == ["metrics"]
+        targets = [p["targetPort"] for p in service["spec"]["ports"]]
+        assert set(targets) <= container_ports.keys(), service["metadata"]["name"]
+    metrics = only(rendered, "Service", "streamrec-metrics")
+    by_name = {p["name"]: container_ports[p["targetPort"]] for p in metrics["spec"]["ports"]}
+    assert sorted(by_name.values()) == ports
+    monitors = [r for r in rendered if r["kind"] == "ServiceMonitor"]
+    for monitor in monitors:
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= metrics["metadata"]["labels"].items()
+        endpoints = [e["port"] for e in monitor["spec"]["endpoints"]]
+        assert sorted(endpoints) == sorted(by_name), "one scrape endpoint per process"
+        assert all(e["path"] == "/metrics" for e in monitor["spec"]["endpoints"])
 
 
 def test_every_container_runs_as_non_root(rendered: list[Resource]) -> None:
@@ -277,15 +339,21 @@ def test_gpu_eager_overlay_serves_eager_from_cuda_graphs() -> None:
     assert environ["STREAMREC_MODEL__CUDA_GRAPHS"] == "true"
 
 
-def test_autoscaling_never_exceeds_the_partition_count(gpu: list[Resource]) -> None:
+def test_autoscaling_never_exceeds_the_partition_count(gpu: list[Resource], tmp_path: Path) -> None:
+    # Every worker process is a group member: a pod is as many members as it has
+    # processes, and a member beyond the partition count sits idle with its GPU share.
     scaled = only(gpu, "ScaledObject")
     partitions = int(scaled["metadata"]["annotations"]["streamrec.dev/input-partitions"])
     spec = scaled["spec"]
-    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"] <= partitions
+    members_per_pod = len(pod_children(gpu, tmp_path))
+    assert members_per_pod == 3
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    assert spec["maxReplicaCount"] * members_per_pod <= partitions
     statefulset = only(gpu, "StatefulSet")
     assert "replicas" not in statefulset["spec"], "KEDA owns the replica count"
-    base_replicas = only(Kustomization(OVERLAYS["base"]).render(), "StatefulSet")["spec"]
-    assert base_replicas["replicas"] <= partitions
+    base = Kustomization(OVERLAYS["base"]).render()
+    base_replicas = only(base, "StatefulSet")["spec"]["replicas"]
+    assert base_replicas * len(pod_children(base, tmp_path)) <= partitions
     target = spec["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("StatefulSet", statefulset["metadata"]["name"])
     config = tomllib.loads(config_toml(gpu))
@@ -407,10 +475,29 @@ def test_jit_caches_live_on_the_writable_cache_volume(rendered: list[Resource]) 
         assert any(found.group(1).startswith(path) for path in writable), (var, writable)
 
 
-def test_gpu_pods_run_one_worker_process_each(gpu: list[Resource]) -> None:
-    # One pod per GPU (deploy/README.md, "Several GPUs per node"): no supervisor of
-    # several workers inside a pod, whose other children nobody would probe or scrape.
-    container = worker(gpu)
-    assert not {"--gpus", "--cpu-children"} & set(container["args"])
+@pytest.mark.parametrize("overlay", GPU_OVERLAYS)
+def test_gpu_pods_run_three_worker_processes_on_their_one_gpu(overlay: str, tmp_path: Path) -> None:
+    # One pod per GPU, three processes on it (deploy/README.md, "Several GPUs per node"):
+    # one process's host path cannot keep the GPU busy (BENCHMARKS.md, issue 13). The
+    # probes and the scrape reach every child (the two tests above).
+    rendered = Kustomization(OVERLAYS[overlay]).render()
+    container = worker(rendered)
+    assert container["args"] == GPU_WORKER_ARGS
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert len(container["ports"]) == 1
+    children = pod_children(rendered, tmp_path)
+    assert [c.group.group_instance_id for c in children] == [
+        f"{POD_NAME}-gpu0-w{j}" for j in range(3)
+    ]
+    assert [c.http.port for c in children] == [9400, 9401, 9402]
+    one = load_config(tmp_path / "config.toml", environ=pod_environ(container))  # no split
+    for child in children:  # the GPU's budgets split three ways, not tripled
+        assert child.cache.kv_budget_fraction == pytest.approx(one.cache.kv_budget_fraction / 3)
+        assert child.cache.host_tier_bytes == one.cache.host_tier_bytes // 3
+
+
+def test_cpu_pods_run_one_worker_process_each(tmp_path: Path) -> None:
+    # The base (CPU pods, staging) stays one process per pod: nothing there is GPU-bound
+    # behind one process's host path.
+    base = Kustomization(OVERLAYS["base"]).render()
+    assert worker(base)["args"] == ["run", "--config", "/etc/streamrec/config.toml"]
+    assert len(pod_children(base, tmp_path)) == 1
