@@ -291,7 +291,7 @@ class _Retrieve(nn.Module):
         self, user_emb: torch.Tensor, exclude: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         table = self.get_buffer(RETRIEVAL_TABLE)  # [V, D], a package constant
-        return self.model.retrieve_over(table, user_emb, self.k, exclude)
+        return self.model.retrieve(user_emb, self.k, exclude, table)
 
 
 # ------------------------------------------------------------ example inputs

@@ -632,22 +632,18 @@ class HSTU(nn.Module):
         return torch.sigmoid(self.task_head(self.norm_out(x)))
 
     def retrieve(
-        self, user_emb: torch.Tensor, k: int, exclude: torch.Tensor
+        self,
+        user_emb: torch.Tensor,
+        k: int,
+        exclude: torch.Tensor,
+        table: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k retrievable rows by cosine score; exclude [B, E] row ids, -1 = none.
-
-        On CUDA with Triton (and ``attention_backend`` not "torch") a fused GEMM + top-k
-        op over a cached normalised table (streamrec/models/retrieval.py); ties at the
-        k-th place may then pick other rows of equal score than ``torch.topk`` does.
-        """
-        table = self.retrieval_table.get(self.item_emb.weight)  # [V, D]
-        return self.retrieve_over(table, user_emb, k, exclude)
-
-    def retrieve_over(
-        self, table: torch.Tensor, user_emb: torch.Tensor, k: int, exclude: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``retrieve`` against ``table``, the normalised item rows [V, D]: the AOTI
-        package takes it as a bound constant, so a call never normalises the catalogue."""
+        """Top-k retrievable rows by cosine score; exclude [B, E] row ids, -1 = none; ``table``:
+        the normalised rows [V, D] (default the cached copy; the AOTI package binds it). With
+        Triton on CUDA a fused GEMM + top-k (models/retrieval.py): ties at the k-th place may
+        pick other rows of equal score than ``torch.topk``."""
+        if table is None:
+            table = self.retrieval_table.get(self.item_emb.weight)  # [V, D]
         first = self.config.first_item_row
         if fused_retrieval_enabled(self.attention_backend, user_emb, table, k, first):
             return fused_retrieve(user_emb, table, exclude, k, first)
