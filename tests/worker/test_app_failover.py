@@ -110,11 +110,17 @@ async def test_sigkill_then_successor_loses_and_duplicates_nothing(
     config = worker_config(bootstrap, topics, group, model_dir, store_url)
     stream = make_stream(topics, 6_000, 200, 0.02, seed=11)
     first = spawn(config, tmp_path, "first")
+    lead, rest = stream.records[:300], stream.records[300:]
     try:
-        producer = asyncio.create_task(produce(bootstrap, stream.records, rate=1_500))
+        # The lead first, until the worker commits: with the whole stream paced from the
+        # start, a worker that took longer to start than the stream lasts (4 s) consumed
+        # and committed all of it at once, and the kill was no longer mid-stream.
+        await produce(bootstrap, lead)
         await wait_until(
             lambda: committed_total(bootstrap, group, topics), 90, "the first worker's commits"
         )
+        producer = asyncio.create_task(produce(bootstrap, rest, rate=1_500))
+        await asyncio.sleep(1.0)  # the worker is consuming the paced rest (~3.8 s long)
         first.send_signal(signal.SIGKILL)
         first.wait(10)
         # Killed mid-stream: work is left for the successor. (Checked now, with nobody
