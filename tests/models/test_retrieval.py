@@ -449,3 +449,16 @@ def test_aoti_package_of_fused_retrieve(tmp_path: Path) -> None:
         with torch.no_grad():
             got = runner(users, exclude[:, :width].contiguous())
         assert_top_k(users, model.item_table(), exclude[:, :width], tuple(got), 64)
+
+
+def test_select_chunks_plan_a_symbolic_batch_as_one_user_tile() -> None:
+    from streamrec.models.retrieval import select_chunks
+
+    tiles = 7_813  # 1M items in tiles of 128
+    # One user tile: about two programs per SM of 132 (30 tiles each, 261 chunks).
+    assert select_chunks(1, tiles, 264) == (261, 30)
+    # A symbolic batch (not an int under export) is planned the same way.
+    assert select_chunks(object(), tiles, 264) == (261, 30)  # type: ignore[arg-type]
+    # Four user tiles share the programs; the cap and the tile count bound the chunks.
+    assert select_chunks(4, tiles, 264) == (66, 119)
+    assert select_chunks(1, tiles, 100_000)[0] <= 1024 and select_chunks(1, 10, 264) == (10, 1)
