@@ -66,8 +66,8 @@ from bench.null_model import NULL_GEOMETRY
 from bench.reference_config import ReferenceWorkload
 from bench.worker_side import (
     AckLog,
-    ChildSpec,
     Fleet,
+    FleetMember,
     LocalWorker,
     WorkerSide,
     loaded_model,
@@ -137,17 +137,23 @@ async def _producer_loop(
         await producer.stop()
 
 
+def partition_of(key: bytes, partitions: int) -> int:
+    """The partition Kafka's default partitioner gives ``key`` (the producer's and the
+    per-process KV budget's: they must agree)."""
+    from aiokafka.partitioner import murmur2
+
+    return int((murmur2(key) & 0x7FFFFFFF) % partitions)
+
+
 async def _send_job(
     producer: Any, topic: str, partitions: int, job: Job, items: IntArray
 ) -> dict[str, float]:
     """Send the job's events keyed by user, in per-partition batches (aiokafka's batch API:
     one ``send`` per record costs ~25 µs in Python and capped this producer near 35k/s)."""
-    from aiokafka.partitioner import murmur2
-
     headers = [(CONTENT_TYPE_HEADER, WireFormat.MSGPACK.content_type.encode())]
     n, sent, max_lag_ms = len(job.users), 0, 0.0
     keys = {int(u): f"u{u}".encode() for u in np.unique(job.users)}
-    part = {u: (murmur2(k) & 0x7FFFFFFF) % partitions for u, k in keys.items()}
+    part = {u: partition_of(k, partitions) for u, k in keys.items()}
     acks: list[asyncio.Future[Any]] = []
     started = time.time()
     while sent < n:
@@ -481,11 +487,7 @@ def process_kv_budget(
     """(bytes, blocks) for the users of the largest share of partitions one of
     ``processes`` members can get (the range assignor: contiguous, the first members one
     more), so that every process holds its own users at their final lengths."""
-    from aiokafka.partitioner import murmur2
-
-    part = np.array(
-        [(murmur2(f"u{u}".encode()) & 0x7FFFFFFF) % partitions for u in range(len(plan.lengths))]
-    )
+    part = np.array([partition_of(f"u{u}".encode(), partitions) for u in range(len(plan.lengths))])
     per_part = np.bincount(part, weights=user_blocks(w, plan), minlength=partitions)
     sizes = [partitions // processes + (i < partitions % processes) for i in range(processes)]
     edges = np.cumsum([0, *sizes])
@@ -553,7 +555,7 @@ async def fleet_side(
     """``ns.processes`` worker processes in one group (bench/worker_side.py)."""
     t0 = time.perf_counter()
     specs = [
-        ChildSpec(
+        FleetMember(
             index=i,
             config=config,
             workload=w,

@@ -165,7 +165,7 @@ class LocalWorker:
         self.app, self.task, self.acks = app, task, acks
 
     def completed(self) -> int:
-        return self.app.stats().tracker.completed
+        return self.app.tracker.stats().completed  # not app.stats(): polled every few ms
 
     def snap(self) -> Row:
         """Counters now (a phase's figures are differences of two snaps)."""
@@ -192,7 +192,7 @@ class LocalWorker:
 
 
 @dataclass(frozen=True)
-class ChildSpec:
+class FleetMember:
     """Everything a worker child needs (picklable: it crosses a spawn)."""
 
     index: int
@@ -206,14 +206,14 @@ class ChildSpec:
     threads: int
 
 
-def child_main(spec: ChildSpec, conn: Connection, counters: Any) -> None:
+def child_main(spec: FleetMember, conn: Connection, counters: Any) -> None:
     """A spawned worker process: model, preloaded store, ``App``; answers the parent."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
     asyncio.run(_child(spec, conn, counters))
 
 
-async def _child(spec: ChildSpec, conn: Connection, counters: Any) -> None:
+async def _child(spec: FleetMember, conn: Connection, counters: Any) -> None:
     loaded = loaded_model(spec.workload, spec.device, spec.host_ceiling, spec.aoti)
     known = len(loaded.checkpoint.vocab.items)
     store = open_history_store("memory://", spec.workload.max_seq_len)
@@ -254,7 +254,7 @@ async def _child(spec: ChildSpec, conn: Connection, counters: Any) -> None:
     try:
         while not task.done():  # the parent polls this like the in-process counter
             counters[spec.index] = local.completed()
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(0.005)  # the parent polls every 10 ms
     finally:
         loop.remove_reader(conn.fileno())
         status = await task
@@ -266,7 +266,7 @@ async def _child(spec: ChildSpec, conn: Connection, counters: Any) -> None:
 class Fleet:
     """N worker processes in the bench's group (the several-processes model)."""
 
-    def __init__(self, specs: Sequence[ChildSpec]) -> None:
+    def __init__(self, specs: Sequence[FleetMember]) -> None:
         ctx = mp.get_context("spawn")
         self.processes = len(specs)
         self._counters = ctx.Array("q", self.processes, lock=False)
