@@ -38,7 +38,7 @@ from bench._report import print_table, write_results
 from bench.attention_sweep import SweepLayer, extend_inputs, sweep_model
 from bench.h200_common import graphed, pct, time_ms
 from bench.reference_config import HSTU_8L
-from streamrec.models.candidate_attention import fused_candidate_attention
+from streamrec.models.candidate_attention import fused_projection_candidates
 from streamrec.models.paged_attention import fused_token_attention
 
 PEER_DIR = Path(__file__).resolve().parent.parent / ".carry" / "peer"
@@ -108,10 +108,12 @@ def _ours(
     if op == "rank":
         # the candidates sit at position 2,048 and see the 2,048 history rows (the pool
         # also holds a slot for the step's new event, which the peer's K/V do not have)
-        lens = d.ext_lens
-        return lambda: fused_candidate_attention(
-            x["q"], x["k"], x["v"], lens, d.ts, kv, d.cache.ts, d.tables, lens, pos_bias,
-            time_bias, lay.edges, lay.n,
+        # q, k, v as rank hands them over: columns of one projection buffer
+        lens, width = d.ext_lens, lay.heads * lay.head_dim
+        qkv = torch.cat([x[t].flatten(-2) for t in "qkv"], dim=-1)  # [B, C, 3*H*d]
+        return lambda: fused_projection_candidates(
+            qkv, (0, width, 2 * width), False, lens, d.ts, kv, d.cache.ts, d.tables, lens,
+            pos_bias, time_bias, lay.edges, lay.n,
         )  # fmt: skip
     return lambda: fused_token_attention(
         x["q"], x["k"], x["v"], x["pos"], x["ts"], x["users"], x["first"], kv, d.cache.ts,

@@ -79,6 +79,7 @@ INDUCTOR_CONFIGS: dict[str, Any] = {
 # Modules whose code is traced into the graphs (a missing one is skipped).
 MODEL_CODE = (
     "streamrec.models.hstu",
+    "streamrec.models.hstu_layer",
     "streamrec.models.attention",
     "streamrec.models.paged_attention",
     "streamrec.models.paged_tiles",

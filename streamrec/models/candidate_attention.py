@@ -23,7 +23,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
+from streamrec.errors import ModelError
 from streamrec.models.attention import self_attention_term
 from streamrec.models.paged_attention import (
     check_inputs,
@@ -133,10 +135,16 @@ if triton is not None:
             tl.store(bias_ptr + (b * H + h) * span + keys, p + t, mask=keys < span)
 
     @triton.jit
+    def input_silu(x):
+        """SiLU of a projection tile in fp32, as Inductor's pointwise kernel computes it."""
+        xf = x.to(tl.float32)
+        return xf * tl.sigmoid(xf)
+
+    @triton.jit
     def _candidate_kernel(
-        q_ptr,  # [B, C, H, D], strides stride_qb, stride_qc
-        ks_ptr,  # [B, C, H, D] the candidates' own keys, strides stride_sb, stride_sc
-        vs_ptr,  # [B, C, H, D] and values
+        q_ptr,  # rows [B, C] of width >= H*D, strides stride_qb, stride_qc; q at q_col
+        ks_ptr,  # the candidates' own keys (at k_col), rows strided stride_sb, stride_sc
+        vs_ptr,  # and values (at v_col), same row strides as the keys
         kbias_ptr,  # [B, H, S] fp32: rab of each user's candidates against each key
         k_ptr,  # [NB, BS, H, D] (one layer of the pool)
         v_ptr,
@@ -148,6 +156,9 @@ if triton is not None:
         out_ptr,  # [B, C, H, D] in q's dtype
         ws_ptr,  # [splits, B, C, H, D] fp32 partials (when splits > 1)
         ticket_ptr,  # [B * m_tiles, H] int32, zeroed (when splits > 1)
+        q_col,
+        k_col,
+        v_col,
         num_cands,
         m_tiles,
         max_blocks,
@@ -170,8 +181,10 @@ if triton is not None:
         IEEE: tl.constexpr,
         FAST: tl.constexpr,
         KV_FP8: tl.constexpr,
+        ACT: tl.constexpr,
     ):
-        """A tile of one user's candidates x one head x one key range, on tensor cores."""
+        """A tile of one user's candidates x one head x one key range, on tensor cores.
+        ``ACT``: q, k, v are the projection before its SiLU, applied here on load."""
         # Inductor (AOTI) passes Python floats as fp64 scalars, which made every score
         # product and SiLU an fp64 op (the kernel ran 2.0x slower in the package, H200
         # batch 64): fp32 once here.
@@ -191,8 +204,10 @@ if triton is not None:
         offs_d = tl.arange(0, D)
         cand = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
         cmask = cand < num_cands
-        q_rows = user * stride_qb + cand * stride_qc + h * D  # [BM]
+        q_rows = user * stride_qb + cand * stride_qc + q_col + h * D  # [BM]
         q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=cmask[:, None], other=0.0)
+        if ACT:
+            q = input_silu(q).to(q_ptr.dtype.element_ty)
         table_row = tables_ptr + user * max_blocks
         bias_row = kbias_ptr + (user * H + h) * span
         k_scale = dot_k_scale(scale, kv_scale_ptr, h, KV_FP8)
@@ -218,8 +233,13 @@ if triton is not None:
         if split == 0:  # the candidate's own key: relative position 0, dt 0
             s_rows = user * stride_sb + cand * stride_sc + h * D  # [BM]
             offs = s_rows[:, None] + offs_d[None, :]
-            k_own = tl.load(ks_ptr + offs, mask=cmask[:, None], other=0.0).to(tl.float32)
-            v_own = tl.load(vs_ptr + offs, mask=cmask[:, None], other=0.0).to(tl.float32)
+            k_own = tl.load(ks_ptr + k_col + offs, mask=cmask[:, None], other=0.0)
+            v_own = tl.load(vs_ptr + v_col + offs, mask=cmask[:, None], other=0.0)
+            if ACT:  # rounded to the input dtype, as the separate SiLU would store them
+                k_own = input_silu(k_own).to(ks_ptr.dtype.element_ty)
+                v_own = input_silu(v_own).to(vs_ptr.dtype.element_ty)
+            k_own = k_own.to(tl.float32)
+            v_own = v_own.to(tl.float32)
             bias0 = tl.load(pos_bias_ptr + h).to(tl.float32) + tl.load(time_bias_ptr + h).to(
                 tl.float32
             )
@@ -276,12 +296,20 @@ if triton is not None:
         target_programs: int = CAND_TARGET_PROGRAMS,
         fast: bool = True,
         kv_scale: torch.Tensor | None = None,
+        columns: tuple[int, int, int] | None = None,
+        activate: bool = False,
     ) -> torch.Tensor:
-        """Both kernels with an explicit launch shape over q [B, C, H, d] (the op uses the
-        defaults; bench/h200_bench.py sweeps them); an FP8 pool with ``kv_scale [2, H]``.
+        """Both kernels with an explicit launch shape (the op uses the defaults;
+        bench/h200_bench.py sweeps them); an FP8 pool with ``kv_scale [2, H]``.
+
+        q, k_self, v_self [B, C, H, d]; or, with ``columns`` (q, k, v starts), one packed
+        projection [B, C, W] passed three times (``activate``: before its SiLU).
         Returns [B, C, H, d] in q's dtype."""
-        q, k_self, v_self = head_rows(q), head_rows(k_self), head_rows(v_self)
-        num_users, num_cands, num_heads, head_dim = q.shape
+        num_heads, head_dim = k_cache.shape[-2:]
+        if columns is None:
+            q, k_self, v_self = (head_rows(t).flatten(-2) for t in (q, k_self, v_self))
+            columns = (0, 0, 0)
+        num_users, num_cands = q.shape[:2]
         block_size = ts_pool.shape[1]
         max_blocks = block_tables.shape[1]
         span = max_blocks * block_size
@@ -295,25 +323,28 @@ if triton is not None:
         per_split = (span + splits - 1) // splits
         per_split = (per_split + block_n - 1) // block_n * block_n
         outputs = num_users * num_cands * num_heads * head_dim
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = q.new_empty(num_users, num_cands, num_heads, head_dim)
         ws, tickets = split_buffers(splits, outputs, tiles * num_heads, q.device)
         torch.library.wrap_triton(_candidate_kernel)[(tiles, num_heads, splits)](
             q, k_self, v_self, kbias, k_cache, v_cache, block_tables, cached_lens, pos_bias,
             time_bias, cached_lens if kv_scale is None else kv_scale, out, ws, tickets,
-            num_cands, m_tiles, max_blocks, block_size, span,
+            *columns, num_cands, m_tiles, max_blocks, block_size, span,
             per_split, q.stride(0), q.stride(1), k_self.stride(0), k_self.stride(1),
             k_cache.stride(0), k_cache.stride(1), outputs, 1.0 / math.sqrt(head_dim),
             1.0 / divisor, H=num_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32, FAST=fast_silu_allowed(fast, q),
-            KV_FP8=kv_scale is not None, num_warps=num_warps, num_stages=num_stages,
+            KV_FP8=kv_scale is not None, ACT=activate, num_warps=num_warps,
+            num_stages=num_stages,
         )  # fmt: skip
         return out
 
     @torch.library.triton_op(OP_CANDIDATES, mutates_args={})
     def paged_silu_attention_candidates(
-        q: torch.Tensor,
-        k_self: torch.Tensor,
-        v_self: torch.Tensor,
+        qkv: torch.Tensor,
+        q_col: int,
+        k_col: int,
+        v_col: int,
+        activate: bool,
         q_pos: torch.Tensor,
         q_ts: torch.Tensor,
         k_cache: torch.Tensor,
@@ -327,11 +358,23 @@ if triton is not None:
         divisor: int,
         kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """C candidates per user (q [B, C, H, d]) against the cache and themselves."""
+        """C candidates per user against the cache and themselves; their q, k, v are
+        the columns of one projection ``qkv [B, C, W]`` (see ``fused_candidate_attention``)."""
+        qkv = packed_rows(qkv)
         return launch_candidates(
-            q, k_self, v_self, q_pos, q_ts, k_cache, v_cache, ts_pool, block_tables,
+            qkv, qkv, qkv, q_pos, q_ts, k_cache, v_cache, ts_pool, block_tables,
             cached_lens, pos_bias, time_bias, edges, divisor, kv_scale=kv_scale,
+            columns=(q_col, k_col, v_col), activate=activate,
         )  # fmt: skip
+
+
+def packed_rows(x: torch.Tensor) -> torch.Tensor:
+    """A packed projection [B, C, W] the kernel can address by two row strides: made
+    contiguous under tracing (a no-op for the GEMM's output, which is), so the strides
+    the kernel was traced with are the ones Inductor allocates (``head_rows``)."""
+    if torch.compiler.is_compiling() or is_fake(x) or x.stride(-1) != 1:
+        return x.contiguous()
+    return x
 
 
 def fused_candidate_attention(
@@ -352,10 +395,52 @@ def fused_candidate_attention(
 ) -> torch.Tensor:
     """Candidates q, k_self, v_self [B, C, H, d], C per user at one position/timestamp
     per user, against ``kv_layer [2, NB, BS, H, d]`` (FP8 codes with the layer's
-    ``kv_scale [2, H]``) and each its own key."""
+    ``kv_scale [2, H]``) and each its own key. The three are packed into one buffer
+    first: ``rank`` calls ``fused_projection_candidates`` on its projection instead."""
     check_inputs(q, kv_layer[0], kv_scale)
+    width = q.shape[-2] * q.shape[-1]
+    qkv = torch.cat([t.flatten(-2) for t in (q, k_self, v_self)], dim=-1)  # [B, C, 3*H*d]
+    return fused_projection_candidates(
+        qkv, (0, width, 2 * width), False, q_pos, q_ts, kv_layer, ts_pool, block_tables,
+        cached_lens, pos_bias, time_bias, edges, divisor, kv_scale,
+    )  # fmt: skip
+
+
+def fused_projection_candidates(
+    qkv: torch.Tensor,
+    columns: tuple[int, int, int],
+    activate: bool,
+    q_pos: torch.Tensor,
+    q_ts: torch.Tensor,
+    kv_layer: torch.Tensor,
+    ts_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    cached_lens: torch.Tensor,
+    pos_bias: torch.Tensor,
+    time_bias: torch.Tensor,
+    edges: torch.Tensor,
+    divisor: int,
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fused_candidate_attention`` reading q, k, v [H*d each] straight from the
+    columns ``columns`` (q, k, v starts) of a layer's projection ``qkv [B, C, W]``,
+    applying the projection's SiLU on load when ``activate``.
+
+    Why: a traced step otherwise makes each of q, k, v contiguous in its own pointwise
+    kernel before the op (three launches per layer, 0.53 of 4.39 ms of GPU time per
+    worker step on the H200: bench/results/h200_worker_gpu_trace_2000.txt).
+    Returns [B, C, H, d]."""
+    num_heads, head_dim = kv_layer.shape[-2:]
+    width = num_heads * head_dim
+    if qkv.dim() != 3 or any(c < 0 or c + width > qkv.shape[-1] for c in columns):
+        raise ModelError(
+            f"candidate projection qkv {tuple(qkv.shape)} has no [H*d = {width}] columns "
+            f"at {columns}"
+        )
+    heads = qkv.narrow(-1, columns[0], width).unflatten(-1, (num_heads, head_dim))
+    check_inputs(heads, kv_layer[0], kv_scale)
     q_pos, q_ts, block_tables, cached_lens = dense(q_pos, q_ts, block_tables, cached_lens)
     return torch.ops.streamrec.paged_silu_attention_candidates(
-        q, k_self, v_self, q_pos, q_ts, kv_layer[0], kv_layer[1], ts_pool, block_tables,
-        cached_lens, pos_bias, time_bias, edges, divisor, kv_scale,
+        qkv, *columns, activate, q_pos, q_ts, kv_layer[0], kv_layer[1], ts_pool,
+        block_tables, cached_lens, pos_bias, time_bias, edges, divisor, kv_scale,
     )  # fmt: skip

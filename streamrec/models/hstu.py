@@ -25,10 +25,10 @@ from streamrec.models.attention import (
     silu_attention,
     time_bucket_edges,
 )
-from streamrec.models.candidate_attention import fused_candidate_attention
+from streamrec.models.candidate_attention import fused_projection_candidates
 from streamrec.models.config import HSTUConfig
 from streamrec.models.fp8 import KVScales, gather_blocks
-from streamrec.models.fused_layer import fused_layer_usable, fused_output, fused_project
+from streamrec.models.hstu_layer import HSTULayer
 from streamrec.models.paged_attention import fused_attention_enabled, fused_token_attention
 from streamrec.models.prefill_attention import fused_prefill_attention, fused_prefill_enabled
 from streamrec.models.retrieval import (
@@ -39,8 +39,6 @@ from streamrec.models.retrieval import (
 )
 from streamrec.models.scratch_extend import scratch_extend
 from streamrec.schemas.events import Action
-
-LayerState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -57,56 +55,6 @@ class NewTokenGeometry:
     rel: torch.Tensor
     dt: torch.Tensor
     mask: torch.Tensor
-
-
-class HSTULayer(nn.Module):
-    """Weights of one pre-norm HSTU layer; the attention is done by the caller."""
-
-    def __init__(self, config: HSTUConfig) -> None:
-        super().__init__()
-        hd = config.num_heads * config.head_dim
-        self.num_heads = config.num_heads
-        self.head_dim = config.head_dim
-        self.norm_in = nn.LayerNorm(config.d_model)
-        self.uvqk = nn.Linear(config.d_model, 4 * hd)
-        self.norm_attn = nn.LayerNorm(hd)
-        self.proj = nn.Linear(hd, config.d_model)
-        self.pos_bias = nn.Parameter(torch.zeros(config.max_seq_len, config.num_heads))
-        self.time_bias = nn.Parameter(torch.zeros(config.num_time_buckets, config.num_heads))
-        self.dropout = nn.Dropout(config.dropout)
-
-    def project(self, x: torch.Tensor, fused: bool = False) -> LayerState:
-        """x [..., D] -> u, v, q, k, each [..., H, d] (``fused``: one kernel, see
-        ``fusable``)."""
-        if fused:
-            h = fused_project(x, self.norm_in, self.uvqk)  # [..., 4*H*d]
-        else:
-            h = F.silu(self.uvqk(self.norm_in(x)))  # [..., 4*H*d]
-        shape = (*x.shape[:-1], self.num_heads, self.head_dim)
-        u, v, q, k = (part.reshape(shape) for part in h.chunk(4, dim=-1))
-        return u, v, q, k
-
-    def output(
-        self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor, fused: bool = False
-    ) -> torch.Tensor:
-        """Residual update x + Linear(u ⊙ LayerNorm(attn)); u, attn [..., H, d]."""
-        if fused:
-            return fused_output(x, u.flatten(-2), attn.flatten(-2), self.norm_attn, self.proj)
-        gated = u.flatten(-2) * self.norm_attn(attn.flatten(-2))  # [..., H*d]
-        return x + self.dropout(self.proj(gated))
-
-    def fusable(self, x: torch.Tensor) -> bool:
-        """Whether ``project``/``output`` may run fused for input x: see
-        ``fused_layer_usable``; dropout must be inactive."""
-        return (
-            (not self.training or self.dropout.p == 0.0)
-            and fused_layer_usable(x, self.norm_in, self.uvqk)
-            and fused_layer_usable(x, self.norm_attn, self.proj)
-        )
-
-    def bias0(self) -> torch.Tensor:
-        """rab of a token with itself (relative position 0, dt = 0): [H]."""
-        return self.pos_bias[0] + self.time_bias[0]
 
 
 class HSTU(nn.Module):
@@ -315,16 +263,16 @@ class HSTU(nn.Module):
     def _candidate_attention(
         self,
         layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        h: torch.Tensor,
+        activated: bool,
         query_ts: torch.Tensor,
         kv_pool: torch.Tensor,
         ts_pool: torch.Tensor,
         block_tables: torch.Tensor,
         cached_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """Every user's candidates against its cache and each itself. q, k, v [B, C, H, d].
+        """Every user's candidates against its cache and each itself; h [B, C, 4*H*d] is
+        the layer's projection (``activated``: after its SiLU). Returns [B, C, H, d].
 
         All of user b's candidates sit at position cached_lens[b] with timestamp
         query_ts[b], so they share one bias row per key and one read of b's K/V; a
@@ -333,13 +281,14 @@ class HSTU(nn.Module):
         layer = self.layers[layer_idx]
         assert isinstance(layer, HSTULayer)
         n = self.config.max_seq_len
-        if fused_attention_enabled(self.attention_backend, q):
-            return fused_candidate_attention(
-                q, k, v, cached_lens, query_ts, kv_pool[layer_idx], ts_pool, block_tables,
-                cached_lens, layer.pos_bias, layer.time_bias,
-                self.time_edges,  # type: ignore[arg-type]
+        if fused_attention_enabled(self.attention_backend, h, layer.head_dim):
+            return fused_projection_candidates(
+                h, layer.qkv_columns(), not activated, cached_lens, query_ts,
+                kv_pool[layer_idx], ts_pool, block_tables, cached_lens, layer.pos_bias,
+                layer.time_bias, self.time_edges,  # type: ignore[arg-type]
                 n, self._layer_kv_scale(layer_idx),
             )  # fmt: skip
+        _, v, q, k = layer.split(h, activated)  # [B, C, H, d]
         kc, vc, k_ts = self._gather_context(layer_idx, kv_pool, ts_pool, block_tables)
         span = kc.shape[1]
         key_pos = torch.arange(span, device=q.device, dtype=torch.int64)  # [S]
@@ -624,11 +573,11 @@ class HSTU(nn.Module):
         fl = self._layers_fused(x)
         for idx, layer in enumerate(self.layers):
             assert isinstance(layer, HSTULayer)
-            u, v, q, k = layer.project(x, fl)  # [B, C, H, d]
+            h, activated = layer.project_packed(x, fl)  # [B, C, 4*H*d]
             attn = self._candidate_attention(
-                idx, q, k, v, query_ts, kv_pool, ts_pool, block_tables, cached_lens
+                idx, h, activated, query_ts, kv_pool, ts_pool, block_tables, cached_lens
             )
-            x = layer.output(x, u, attn, fl)  # [B, C, D]
+            x = layer.output(x, layer.split(h, activated)[0], attn, fl)  # [B, C, D]
         return torch.sigmoid(self.task_head(self.norm_out(x)))
 
     def retrieve(

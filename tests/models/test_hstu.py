@@ -343,24 +343,30 @@ def test_prefill_width_changes_cost_not_results() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused_layers", [False, True])
 @torch.no_grad()
-def test_fused_extend_and_rank_equal_the_torch_path(monkeypatch) -> None:
+def test_fused_extend_and_rank_equal_the_torch_path(monkeypatch, fused_layers: bool) -> None:
     """The model through the fused kernels (attention and layer halves; CUDA, or the
     Triton CPU interpreter with the switches forced) equals its torch path: multi-token
-    extends with idle users, then rank over the cache they built, fp32."""
+    extends with idle users, then rank over the cache they built, fp32. ``rank`` hands
+    the candidate kernel its projection before the SiLU, or after it with the fused layer
+    halves."""
     from streamrec.models import hstu as hstu_module
     from tests.models.kernel_device import kernel_device
 
     device = kernel_device(monkeypatch)
     if device == "cpu":  # the interpreter: force the switches that want CUDA tensors
-        monkeypatch.setattr(hstu_module, "fused_attention_enabled", lambda *a: True)
+        # (the torch-backend model must keep its torch path: it is the reference)
+        monkeypatch.setattr(
+            hstu_module, "fused_attention_enabled", lambda backend, *a: backend != "torch"
+        )
         monkeypatch.setattr(hstu_module.HSTULayer, "fusable", lambda self, x: True)
     cfg = HSTUConfig(
         num_items=60, d_model=64, num_layers=2, num_heads=2, head_dim=32, max_seq_len=64,
         num_time_buckets=10, task_hidden=8,
     )  # fmt: skip
     torch.manual_seed(0)
-    fused = HSTU(cfg).eval()
+    fused = HSTU(cfg, fused_layers=fused_layers).eval()
     for layer in fused.layers:
         layer.pos_bias.normal_(0, 0.5)
         layer.time_bias.normal_(0, 0.5)

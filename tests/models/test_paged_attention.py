@@ -309,10 +309,11 @@ def test_new_token_attention_padded_equals_the_static_square(monkeypatch) -> Non
 def test_candidate_reference_is_the_model_candidate_attention() -> None:
     """Cached keys plus each candidate's own key, as the model's torch path of rank."""
     model, case, pool = _model_and_case(rank=True)
+    q, k, v = (case.per_user(t).flatten(-2) for t in (case.q, case.k_new, case.v_new))
+    h = torch.cat([torch.zeros_like(q), v, q, k], dim=-1)  # the projection: u, v, q, k
     want = model._candidate_attention(
-        1, case.per_user(case.q), case.per_user(case.k_new), case.per_user(case.v_new),
-        case.first(case.ts), pool, case.ts_pool, case.tables, case.lens,
-    )  # fmt: skip
+        1, h, True, case.first(case.ts), pool, case.ts_pool, case.tables, case.lens
+    )
     assert rel_err(case.reference(), want.reshape(case.q.shape)) < 1e-6
 
 

@@ -206,8 +206,10 @@ def test_candidate_reference_is_the_model_rank_attention() -> None:
     cache.write(slots, case.k.unsqueeze(0), case.v.unsqueeze(0), case.ts)
     tables, cached = cache.batch_tables()
     with torch.no_grad():  # rank's attention includes each candidate's own key
+        q, k, v = (t.flatten(-2) for t in (case.qc, case.kc, case.vc))
+        h = torch.cat([torch.zeros_like(q), v, q, k], dim=-1)  # the projection: u, v, q, k
         want = model._candidate_attention(
-            0, case.qc, case.kc, case.vc, case.query_ts, cache.kv, cache.ts, tables, cached
+            0, h, True, case.query_ts, cache.kv, cache.ts, tables, cached
         )
     assert rel_err(case.cand_reference(), want) < 1e-6
 
