@@ -47,6 +47,7 @@ import importlib.util
 import itertools
 import json
 import multiprocessing as mp
+import os
 import sys
 import time
 from collections import defaultdict
@@ -79,6 +80,7 @@ from streamrec.models.paged_attention import triton_available
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import PlaybackEvent
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
+from streamrec.tools.mps_daemon import MPS_MODES, PIPE_ENV, MpsDaemon
 from streamrec.worker import config as wc
 from streamrec.worker.app import App
 
@@ -704,6 +706,14 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="sys.setswitchinterval once the worker is up (0: leave the worker's own)",
     )
+    parser.add_argument(
+        "--mps",
+        choices=MPS_MODES,
+        default="auto",
+        help="the worker processes as clients of an MPS daemon started here, as "
+        "`streamrec run --workers-per-gpu N --mps` does (auto: with --processes > 1 on cuda "
+        "when nvidia-cuda-mps-control is on PATH)",
+    )
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ns = parser.parse_args(argv)
     small = WORKLOADS[ns.config] is SMALL
@@ -723,7 +733,13 @@ def main(argv: list[str] | None = None) -> int:
         ns.device = "cpu"  # the null model never touches a GPU
     if ns.threads:
         torch.set_num_threads(ns.threads)
-    rows, meta = asyncio.run(_run(ns))
+    shared = ns.processes if ns.device == "cuda" else 1
+    daemon = MpsDaemon.for_mode(ns.mps, shared, os.environ)
+    with daemon or contextlib.nullcontext():
+        if daemon is not None:  # before any CUDA context: the spawned workers inherit it
+            os.environ.update(daemon.environ())
+        rows, meta = asyncio.run(_run(ns))
+    meta["mps"] = daemon is not None or bool(os.environ.get(PIPE_ENV))
     print_table([{k: r[k] for k in _TABLE if k in r} for r in rows])
     if ns.host_ceiling:
         path = write_host_ceiling(rows, meta, ns)

@@ -38,6 +38,10 @@ partitions' users), and the supervisor only does what Kubernetes would otherwise
   spin on N times the cores (its default 0 stays: one thread per CUDA worker already).
   Not split, as every process holds its own: the model weights, the CUDA context and
   graphs, the embedding cache's device rows and ``cache.disk_tier_device_slots``.
+- **MPS.** With ``--workers-per-gpu`` > 1 the children are clients of one NVIDIA MPS
+  daemon the supervisor starts (``--mps auto``, the default, when the control binary is on
+  PATH; ``mps_daemon.py``), so a GPU runs its workers' kernels side by side instead of
+  time-slicing their contexts.
 - **Disk tier directories.** With more than one child, each gets its own
   ``cache.disk_tier_dir / <name>``: the disk tier wipes its directory at start and exit,
   and every child sees its one GPU as ``cuda:0``, so the worker's own ``cuda<index>``
@@ -81,6 +85,7 @@ from typing import Final
 
 from streamrec.backoff import Backoff
 from streamrec.errors import ConfigError, SupervisorError
+from streamrec.tools.mps_daemon import MPS_MODES, MpsDaemon
 from streamrec.worker.config import ENV_PREFIX, WorkerConfig, env_var_name
 from streamrec.worker.logging_setup import configure_logging
 
@@ -497,6 +502,15 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
         "model.host_threads are split among a GPU's workers",
     )
     group.add_argument(
+        "--mps",
+        choices=MPS_MODES,
+        default="auto",
+        help="run the GPU's workers as clients of an NVIDIA MPS daemon the supervisor "
+        "starts, so their kernels run concurrently instead of time-sliced; auto (default): "
+        "with --workers-per-gpu > 1 when nvidia-cuda-mps-control is on PATH and "
+        "CUDA_MPS_PIPE_DIRECTORY names no daemon already",
+    )
+    group.add_argument(
         "--dynamic-members",
         action="store_true",
         help="no static member ids (the dev broker, Tansu 0.6, keeps rebalancing groups of "
@@ -540,7 +554,13 @@ def run_supervised(
         static=not args.dynamic_members,
         workers_per_gpu=args.workers_per_gpu,
     )
-    return Supervisor(specs, policy).run()
+    daemon = None
+    if gpus is not None:
+        daemon = MpsDaemon.for_mode(args.mps, args.workers_per_gpu, os.environ)
+    if daemon is None:
+        return Supervisor(specs, policy).run()
+    with daemon:
+        return Supervisor(specs, policy, environ=os.environ | daemon.environ()).run()
 
 
 @dataclass(frozen=True)
