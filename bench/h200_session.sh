@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|workers|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|workers|mps|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -78,6 +78,21 @@ for stage in "$@"; do
           --results-dir "$OUT/workers" 2>&1 | grep -E "^(throughput|latency) " | tail -4
         timeout 200 python3 -m bench.worker_bench $w8 --processes "$n" \
           --results-dir "$OUT/workers/p$n" 2>&1 | grep -E "^(warm|throughput|latency) " | tail -5
+      done ;;
+    mps)  # issue 13, eighth session: three AOTI workers with MPS (worker_bench --mps auto,
+      # the supervisor's MpsDaemon) and time-sliced, the dev broker alone at 5,000 and
+      # 10,000/s, one process, four with MPS; one instance. Packages as for `workers`.
+      w8="--config hstu-8l --device cuda --aoti --users 2000 --events 60000 --rates 2000 5000
+          10000 --seconds 5 --drain-s 8 --max-batch-users 256 --partitions 12 --warm-wave 256"
+      for run in "mps3:--processes 3" "sliced3:--processes 3 --mps off" "p1:--processes 1" \
+                 "mps4:--processes 4"; do
+        name=${run%%:*}; mkdir -p "$OUT/mps/$name"
+        timeout 150 python3 -m bench.worker_bench $w8 ${run#*:} --results-dir "$OUT/mps/$name" \
+          2>&1 | grep -E "^(throughput|latency) " | tail -4
+      done
+      for rate in 5000 10000; do
+        python3 -m bench.broker_latency --rate $rate --seconds 4 --machine h200-host \
+          --results-dir "$OUT/mps/broker$rate" 2>&1 | tail -3
       done ;;
     worker|worker-eager|worker-aoti)  # (e): the whole worker with the dev broker here
       flags=""; [ "$stage" = worker-eager ] && flags="--no-cuda-graphs"
