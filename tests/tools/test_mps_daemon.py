@@ -89,3 +89,49 @@ def test_for_mode_finds_the_binary_and_respects_an_external_daemon(tmp_path: Pat
     assert MpsDaemon.for_mode("auto", 3, {"PATH": str(tmp_path)}) is None  # not on PATH
     # a daemon the environment already names (the device plugin's MPS sharing) is used
     assert MpsDaemon.for_mode("on", 3, path | {PIPE_ENV: "/run/mps"}) is None
+
+
+def test_run_supervised_wraps_the_gpu_children_in_the_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``streamrec run --gpus all --workers-per-gpu 3``: the daemon is up while the
+    children run, they get its variables, and it is told to quit after them. (The
+    children are not started here: a recording stand-in for ``Supervisor`` sees what
+    they would get; the CI machine has no GPU.)"""
+    import argparse
+
+    from streamrec.tools import supervisor
+    from streamrec.worker.config import WorkerConfig
+
+    binary, calls = fake_control(tmp_path)
+    monkeypatch.setenv("PATH", str(Path(binary).parent) + os.pathsep + os.environ["PATH"])
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv(PIPE_ENV, raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    seen: dict[str, object] = {}
+
+    class Recording:
+        def __init__(self, children, policy, *, environ=None) -> None:  # type: ignore[no-untyped-def]
+            seen["children"] = [spec.name for spec in children]
+            seen["environ"] = dict(environ or {})
+
+        def run(self) -> int:
+            pipe = seen["environ"].get(PIPE_ENV)  # type: ignore[attr-defined]
+            seen["control_while_running"] = pipe is not None and (Path(pipe) / "control").exists()
+            return 0
+
+    monkeypatch.setattr(supervisor, "Supervisor", Recording)
+    args = argparse.Namespace(
+        gpus="all", cpu_children=None, workers_per_gpu=3, dynamic_members=True,
+        max_restarts=5, mps="auto",
+    )  # fmt: skip
+    assert supervisor.run_supervised(WorkerConfig(), args, device_count=lambda: 1) == 0
+    assert seen["children"] == ["gpu0-w0", "gpu0-w1", "gpu0-w2"]
+    assert seen["control_while_running"] is True
+    assert calls.read_text().splitlines()[-1] == "stdin quit"
+    # one worker per GPU: no daemon, the children inherit the environment as it is
+    seen.clear()
+    args.workers_per_gpu = 1
+    assert supervisor.run_supervised(WorkerConfig(), args, device_count=lambda: 1) == 0
+    assert PIPE_ENV not in seen["environ"]  # type: ignore[operator]
+    assert seen["control_while_running"] is False
