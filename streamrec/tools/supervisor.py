@@ -506,7 +506,7 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
         choices=MPS_MODES,
         default="auto",
         help="run the GPU's workers as clients of an NVIDIA MPS daemon the supervisor "
-        "starts, so their kernels run concurrently instead of time-sliced; auto (default): "
+        "starts, so their kernels run concurrently instead of time-sliced; auto: "
         "with --workers-per-gpu > 1 when nvidia-cuda-mps-control is on PATH and "
         "CUDA_MPS_PIPE_DIRECTORY names no daemon already",
     )
