@@ -436,7 +436,12 @@ def worker_config(bootstrap: str, w: ReferenceWorkload, ns: argparse.Namespace, 
     if ns.graph_buckets_per_octave:
         model_extra["graph_buckets_per_octave"] = ns.graph_buckets_per_octave
     return wc.WorkerConfig(
-        kafka=wc.KafkaConfig(bootstrap, "streamrec-bench", fetch_max_wait_ms=ns.fetch_max_wait_ms),
+        kafka=wc.KafkaConfig(
+            bootstrap,
+            "streamrec-bench",
+            fetch_max_wait_ms=ns.fetch_max_wait_ms,
+            producer_linger_ms=ns.producer_linger_ms,
+        ),
         group=wc.GroupConfig(group_id="streamrec-worker-bench"),
         cache=wc.CacheConfig(kv_budget_bytes=kv, block_size=BLOCK_SIZE, host_tier_bytes=0),
         model=wc.ModelConfig(device=ns.device, cuda_graphs=not ns.no_cuda_graphs, **model_extra),
@@ -674,6 +679,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-users", type=int, help="256 / 64")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="batcher")
     parser.add_argument("--fetch-max-wait-ms", type=int, default=5, help="worker's consumer")
+    parser.add_argument(
+        "--producer-linger-ms",
+        type=int,
+        default=wc.KafkaConfig.producer_linger_ms,
+        help="worker's output producer (default: the worker's own default)",
+    )
     parser.add_argument("--warm-wave", type=int, help="users per warm-up wave: 32 cuda, 0 = all")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument(
