@@ -9,7 +9,10 @@ candidate kernel reads one fp32 row per key tile instead of computing it per til
 (issue 14: computing the time bucket inside the key loop cost more ALU work than the two
 GEMMs of the tile). A tile of one user's candidates then shares every loaded K/V tile
 through ``tl.dot``; the candidate's own key (relative position 0, dt 0) is added by the
-program of the first key range, so ``rank`` needs no separate self-attention term.
+program of the first key range, so ``rank`` needs no separate self-attention term. The
+op reads q, k, v straight from their columns of the layer's packed projection (SiLU on
+load when it is not applied yet): copying them out first cost three extra kernels per
+layer in the compiled step.
 
 Key ranges and their combination work as in ``paged_attention.py`` (the shared helpers
 live in ``paged_tiles.py``): a partial per range in a workspace, the last range stores the
