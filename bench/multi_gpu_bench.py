@@ -60,20 +60,12 @@ from typing import Any
 import numpy as np
 
 from bench._report import RESULTS_DIR, print_table, write_results
+from bench.bench_plan import IntArray, Plan, geometry, kv_budget
 from bench.engine_bench import WORKLOADS, _model, _preload
+from bench.event_producer import Job, producer_process
 from bench.reference_config import ReferenceWorkload
 from bench.soak import ProcessSampler
-from bench.worker_bench import (
-    EventBook,
-    IntArray,
-    Job,
-    Plan,
-    Row,
-    _pct,
-    geometry,
-    kv_budget,
-    producer_process,
-)
+from bench.worker_bench import EventBook, Row, _pct
 from streamrec.cache.history_backends import open_history_store
 from streamrec.errors import BrokerError
 from streamrec.models.checkpoint import META, save_checkpoint

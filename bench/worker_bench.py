@@ -44,7 +44,6 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -62,8 +61,9 @@ import numpy.typing as npt
 import torch
 
 from bench._report import RESULTS_DIR, print_table, write_results
+from bench.bench_plan import BLOCK_SIZE, Plan, geometry, kv_budget, make_plan, process_kv_budget
 from bench.engine_bench import SMALL, WORKLOADS, _preload
-from bench.null_model import NULL_GEOMETRY
+from bench.event_producer import Job, producer_process
 from bench.reference_config import ReferenceWorkload
 from bench.worker_side import (
     AckLog,
@@ -74,12 +74,9 @@ from bench.worker_side import (
     loaded_model,
     split_percentiles,
 )
-from streamrec.cache.kv_cache import KVCacheConfig, free_memory_bytes
+from streamrec.cache.kv_cache import free_memory_bytes
 from streamrec.errors import BrokerError, ConfigError
 from streamrec.models.paged_attention import triton_available
-from streamrec.schemas.codec import encode_event
-from streamrec.schemas.events import PlaybackEvent
-from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
 from streamrec.tools.mps_daemon import MPS_MODES, PIPE_ENV, MpsDaemon
 from streamrec.worker import config as wc
 from streamrec.worker.app import App
@@ -100,100 +97,7 @@ open_history_store = _moved(
 DevBroker = _moved("streamrec.tools.devbroker", "streamrec.worker.devbroker", "DevBroker")
 IntArray = npt.NDArray[np.int64]
 Row = dict[str, Any]
-BLOCK_SIZE = 16
-_PLAYED_MS, _DURATION_MS = 190_000, 200_000  # every event is a complete playback
 _SUSTAINED_LAG_S = 0.25  # backlog at the schedule's end that still counts as keeping up
-
-
-@dataclass(frozen=True)
-class Job:
-    """Events for the producer, which draws the items. With ``ts_ms`` (increasing), event n
-    is sent once the wall clock reaches ``ts_ms[n]``; without, a backlog stamped at send."""
-
-    users: IntArray  # [E]
-    ts_ms: IntArray | None = None  # [E]
-
-
-def producer_process(
-    bootstrap: str, topic: str, num_items: int, partitions: int, conn: Connection
-) -> None:
-    """The spawned producer: runs the jobs read from ``conn`` until None comes."""
-    asyncio.run(_producer_loop(bootstrap, topic, num_items, partitions, conn))
-
-
-async def _producer_loop(
-    bootstrap: str, topic: str, num_items: int, partitions: int, conn: Connection
-) -> None:
-    from aiokafka import AIOKafkaProducer
-
-    producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_batch_size=1 << 20
-    )
-    await producer.start()
-    loop, rng = asyncio.get_running_loop(), np.random.default_rng(1)
-    try:
-        while (job := await loop.run_in_executor(None, conn.recv)) is not None:
-            items = rng.integers(num_items, size=len(job.users))
-            conn.send(await _send_job(producer, topic, partitions, job, items))
-    finally:
-        await producer.stop()
-
-
-def partition_of(key: bytes, partitions: int) -> int:
-    """The partition Kafka's default partitioner gives ``key`` (the producer's and the
-    per-process KV budget's: they must agree)."""
-    from aiokafka.partitioner import murmur2
-
-    return int((murmur2(key) & 0x7FFFFFFF) % partitions)
-
-
-async def _send_job(
-    producer: Any, topic: str, partitions: int, job: Job, items: IntArray
-) -> dict[str, float]:
-    """Send the job's events keyed by user, in per-partition batches (aiokafka's batch API:
-    one ``send`` per record costs ~25 µs in Python and capped this producer near 35k/s)."""
-    headers = [(CONTENT_TYPE_HEADER, WireFormat.MSGPACK.content_type.encode())]
-    n, sent, max_lag_ms = len(job.users), 0, 0.0
-    keys = {int(u): f"u{u}".encode() for u in np.unique(job.users)}
-    part = {u: partition_of(k, partitions) for u, k in keys.items()}
-    acks: list[asyncio.Future[Any]] = []
-    started = time.time()
-    while sent < n:
-        now_ms = time.time() * 1000.0
-        if job.ts_ms is None:
-            due = min(sent + 2_000, n)
-        else:
-            due = int(np.searchsorted(job.ts_ms, now_ms, side="right"))
-            if due == sent:  # nothing due yet: sleep until the next event's time
-                await asyncio.sleep(max(float(job.ts_ms[sent]) - now_ms, 0.0) / 1000.0)
-                continue
-            max_lag_ms = max(max_lag_ms, now_ms - float(job.ts_ms[sent]))
-        batches: dict[int, Any] = {}
-        users, stamps = job.users[sent:due].tolist(), None
-        if job.ts_ms is not None:
-            stamps = job.ts_ms[sent:due].tolist()
-        for j, user in enumerate(users):
-            ts = int(now_ms) if stamps is None else stamps[j]
-            value = encode_event(
-                PlaybackEvent(f"u{user}", f"i{items[sent + j]}", ts, _PLAYED_MS, _DURATION_MS)
-            )
-            p = part[user]
-            batch = batches.get(p)
-            if batch is None:
-                batch = batches[p] = producer.create_batch()
-            if batch.append(key=keys[user], value=value, timestamp=None, headers=headers) is None:
-                acks.append(await producer.send_batch(batch, topic, partition=p))
-                batch = batches[p] = producer.create_batch()
-                batch.append(key=keys[user], value=value, timestamp=None, headers=headers)
-        for p, batch in batches.items():
-            acks.append(await producer.send_batch(batch, topic, partition=p))
-        sent = due
-        await asyncio.sleep(0)
-    sent_at = time.time()
-    await asyncio.gather(*acks)
-    first = started if job.ts_ms is None else float(job.ts_ms[0]) / 1000.0
-    rate = n / max(sent_at - first, 1e-9)
-    return {"events": n, "events_per_s": rate, "max_lag_ms": max_lag_ms}
 
 
 class EventBook:
@@ -308,32 +212,6 @@ class Bench:
         return row
 
 
-@dataclass(frozen=True)
-class Plan:
-    """Every event's user, drawn up front (the KV budget needs each user's final length)."""
-
-    lengths: IntArray  # [U] preloaded tokens per user
-    prime: list[IntArray]
-    throughput: IntArray
-    rates: list[tuple[float, IntArray]]
-
-
-def make_plan(w: ReferenceWorkload, ns: argparse.Namespace, rng: np.random.Generator) -> Plan:
-    weights = 1.0 / np.arange(1, ns.users + 1) ** ns.skew  # skew 0: uniform
-    weights /= weights.sum()
-
-    def draw(n: int) -> IntArray:
-        return rng.choice(ns.users, size=n, p=weights).astype(np.int64)
-
-    sizes = sorted({min(s, ns.users) for s in (1, 16, 17, ns.max_batch_users)})
-    return Plan(
-        lengths=w.history_lengths(ns.users, seed=ns.seed),
-        prime=[np.arange(s, dtype=np.int64) for s in sizes],
-        throughput=draw(ns.events),
-        rates=[(float(r), draw(int(r * ns.seconds))) for r in ns.rates],
-    )
-
-
 async def waves(bench: Bench, phase: str, groups: Sequence[IntArray]) -> Row:
     """Each group of events in turn, the next sent once the last is completed."""
     a, events, got = bench.snap(), 0, {}
@@ -404,16 +282,6 @@ async def paced(
     return row | {"complete": complete, "sustained": sustained}
 
 
-def geometry(w: ReferenceWorkload, host_ceiling: bool) -> KVCacheConfig:
-    if host_ceiling:
-        g = NULL_GEOMETRY
-        return KVCacheConfig(
-            g["num_layers"], g["num_heads"], g["head_dim"], BLOCK_SIZE, torch.float32
-        )
-    dtype = getattr(torch, w.dtype)
-    return KVCacheConfig(w.num_layers, w.num_heads, w.head_dim, BLOCK_SIZE, dtype)
-
-
 def worker_config(bootstrap: str, w: ReferenceWorkload, ns: argparse.Namespace, kv: int) -> Any:
     sections: dict[str, Any] = {}
     batching: dict[str, Any] = {
@@ -472,34 +340,6 @@ async def _phases(bench: Bench, plan: Plan, ns: argparse.Namespace) -> list[Row]
             print(f"{rate:g}/s did not drain within {ns.drain_s} s: higher rates skipped")
             break
     return rows
-
-
-def user_blocks(w: ReferenceWorkload, plan: Plan) -> IntArray:
-    """KV blocks of each user at its final (window-capped) length, +1 block each."""
-    every = np.concatenate([*plan.prime, plan.throughput, *(u for _, u in plan.rates)])
-    events = np.bincount(every, minlength=len(plan.lengths)) + 1  # + the warm event
-    final = np.minimum(plan.lengths + events, w.max_seq_len)
-    return np.asarray(-(-final // BLOCK_SIZE) + 1, dtype=np.int64)
-
-
-def kv_budget(w: ReferenceWorkload, plan: Plan, geometry: KVCacheConfig) -> tuple[int, int]:
-    """(bytes, blocks) for every user at its final (window-capped) length, +1 block each."""
-    blocks = int(np.sum(user_blocks(w, plan))) + 64
-    return blocks * geometry.bytes_per_block, blocks
-
-
-def process_kv_budget(
-    w: ReferenceWorkload, plan: Plan, geometry: KVCacheConfig, partitions: int, processes: int
-) -> tuple[int, int]:
-    """(bytes, blocks) for the users of the largest share of partitions one of
-    ``processes`` members can get (the range assignor: contiguous, the first members one
-    more), so that every process holds its own users at their final lengths."""
-    part = np.array([partition_of(f"u{u}".encode(), partitions) for u in range(len(plan.lengths))])
-    per_part = np.bincount(part, weights=user_blocks(w, plan), minlength=partitions)
-    sizes = [partitions // processes + (i < partitions % processes) for i in range(processes)]
-    edges = np.cumsum([0, *sizes])
-    blocks = int(max(per_part[lo:hi].sum() for lo, hi in itertools.pairwise(edges))) + 64
-    return blocks * geometry.bytes_per_block, blocks
 
 
 @contextlib.asynccontextmanager

@@ -3,7 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from bench.worker_bench import EventBook, Job, main
+from bench.event_producer import Job
+from bench.worker_bench import EventBook, main
 
 
 def test_event_book_maps_versions_past_the_preload_to_timed_events() -> None:
@@ -58,8 +59,8 @@ def test_worker_bench_runs_two_worker_processes_in_one_group(tmp_path) -> None:
 def test_process_kv_budget_covers_the_largest_partition_range() -> None:
     from aiokafka.partitioner import murmur2
 
+    from bench.bench_plan import BLOCK_SIZE, Plan, process_kv_budget, user_blocks
     from bench.reference_config import HSTU_3L
-    from bench.worker_bench import BLOCK_SIZE, Plan, process_kv_budget, user_blocks
 
     empty = np.zeros(0, dtype=np.int64)
     lengths = np.array([100, 2_000, 30, 4_000, 5, 700], dtype=np.int64)
