@@ -44,7 +44,6 @@ import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,112 +51,14 @@ import numpy as np
 import torch
 
 from bench._report import print_table, write_results
-from bench.reference_config import HSTU_8L, SPEEDUP_HISTORY_LEN
+from bench.tiers_disk import disk_section
+from bench.tiers_shape import BASE_TS, BLOCK, H200, SMOKE, Rows, Shape, captured, sync, tier_model
 from streamrec.cache.block_pool import NoRoom
-from streamrec.cache.disk_tier import DiskTier
 from streamrec.cache.embedding_cache import EmbeddingCache
-from streamrec.cache.host_tier import HostTier
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig
-from streamrec.cache.kv_tiers import KVTiers
 from streamrec.cache.retrieval_set import RetrievalSet
-from streamrec.models.config import HSTUConfig
-from streamrec.models.hstu import HSTU, HSTULayer
+from streamrec.models.hstu import HSTU
 from streamrec.pipeline.item_catalog import ItemCatalog, retrieve_members, retrieve_set_rows
-from streamrec.pipeline.model_step import ModelStep, UserWork
-from streamrec.pipeline.scorer import Scorer, ScoringConfig
-
-BASE_TS = 1_700_000_000_000
-BLOCK = 16
-Rows = list[dict[str, Any]]
-KINDS = {
-    "gpu": "GPU hit",
-    "prefetched": "disk hit, prefetched",
-    "cold": "disk hit, read in the step (cold)",
-    "miss": "miss: prefill of the history",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    items: int
-    dim: int
-    layers: int
-    heads: int
-    head_dim: int
-    max_seq_len: int
-    history: int
-    batch: int
-    cands: int
-    retrievable: int
-    slot_fractions: tuple[float, ...]
-    disk_users: int
-    steps: int
-
-
-H200 = Shape(
-    items=20_000_000, dim=HSTU_8L.d_model, layers=HSTU_8L.num_layers, heads=HSTU_8L.num_heads,
-    head_dim=HSTU_8L.head_dim, max_seq_len=HSTU_8L.max_seq_len, history=SPEEDUP_HISTORY_LEN,
-    batch=64, cands=HSTU_8L.num_candidates, retrievable=1_000_000,
-    slot_fractions=(0.02, 0.1, 0.2, 0.4), disk_users=12, steps=30,
-)  # fmt: skip
-SMOKE = Shape(
-    items=20_000, dim=64, layers=2, heads=2, head_dim=32, max_seq_len=128, history=64,
-    batch=4, cands=16, retrievable=2_000, slot_fractions=(0.05, 0.2), disk_users=3, steps=4,
-)  # fmt: skip
-
-
-def _captured(
-    front: Callable[[], torch.Tensor], back: Callable[[], torch.Tensor], device: torch.device
-) -> list[Callable[[], torch.Tensor]]:
-    """The two halves of a step as CUDA-graph replays returning their static outputs
-    (eager on the CPU, or if a capture fails)."""
-    if device.type != "cuda":
-        return [front, back]
-    calls: list[Callable[[], torch.Tensor]] = []
-    try:
-        for fn in (front, back):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = fn()
-
-            def replay(
-                graph: torch.cuda.CUDAGraph = graph, out: torch.Tensor = out
-            ) -> torch.Tensor:
-                graph.replay()
-                return out
-
-            calls.append(replay)
-    except Exception as exc:  # capture errors come in many types
-        print(f"CUDA-graph capture failed, timing eagerly: {type(exc).__name__}: {exc}")
-        return [front, back]
-    return calls
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _model(shape: Shape, device: torch.device, dtype: torch.dtype) -> HSTU:
-    config = HSTUConfig(
-        num_items=1024 + 17, d_model=shape.dim, num_layers=shape.layers, num_heads=shape.heads,
-        head_dim=shape.head_dim, max_seq_len=shape.max_seq_len,
-        dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = HSTU(config).eval()
-    with torch.no_grad():
-        for layer in model.layers:
-            assert isinstance(layer, HSTULayer)
-            layer.pos_bias.normal_(0, 0.3)
-            layer.time_bias.normal_(0, 0.3)
-    return model.to(device, dtype)
 
 
 class Zipf:
@@ -222,7 +123,7 @@ class PagedUsers:
 
 def embedding_section(shape: Shape, device: torch.device, zipf_s: float, rows: Rows) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = _model(shape, device, dtype)
+    model = tier_model(shape, device, dtype)
     first = model.config.first_item_row
     start = time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(1)
@@ -259,11 +160,11 @@ def embedding_section(shape: Shape, device: torch.device, zipf_s: float, rows: R
         with torch.inference_mode():
             items_buf.copy_(torch.from_numpy(ids(new_items[0])))  # valid ids for the capture
             cands_buf.copy_(torch.from_numpy(ids(cands[0])))
-            calls = _captured(front, back, device)
+            calls = captured(front, back, device)
             before = None if cache is None else cache.stats()
             times, probs = [], []
             for i in range(shape.steps):
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 items_buf.copy_(torch.from_numpy(ids(new_items[i])))
                 retrieved = calls[0]()
@@ -271,7 +172,7 @@ def embedding_section(shape: Shape, device: torch.device, zipf_s: float, rows: R
                     retrieved.cpu()  # the serving path's round trip: retrieved rows -> slots
                 cands_buf.copy_(torch.from_numpy(ids(cands[i])))
                 result = calls[1]()
-                _sync(device)
+                sync(device)
                 times.append((time.perf_counter() - t0) * 1000)
                 probs.append(result.float().cpu())
         if cache is None or before is None:
@@ -339,15 +240,15 @@ def _pinned_rows(
 
         with torch.inference_mode():
             items_buf.copy_(torch.from_numpy(ids(new_items[0])))
-            calls = _captured(front, back, device)
+            calls = captured(front, back, device)
             times, probs = [], []
             for i in range(shape.steps):
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 items_buf.copy_(torch.from_numpy(ids(new_items[i])))
                 rows_buf.copy_(calls[0]())  # on the device: no round trip
                 result = calls[1]()
-                _sync(device)
+                sync(device)
                 times.append((time.perf_counter() - t0) * 1000)
                 probs.append(result.float().cpu())
         return times, probs
@@ -413,11 +314,11 @@ def _retrieval_rows(
     ):
         with torch.inference_mode():
             fn()
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             for _ in range(5):
                 fn()
-            _sync(device)
+            sync(device)
         ms = (time.perf_counter() - t0) / 5 * 1000
         n = shape.items if name.startswith("exact") else shape.retrievable
         rows.append({"section": "retrieval", "mode": name, "rows_scored": n,
@@ -428,180 +329,6 @@ def _retrieval_rows(
     rows.append({"section": "retrieval", "mode": "set refresh plan (background)",
                  "rows_scored": shape.items, "ms": round(plan.planned_s * 1000, 1),
                  "wall_ms": round((time.perf_counter() - t0) * 1000, 1)})  # fmt: skip
-
-
-# ------------------------------------------------------------------ disk section
-
-
-def disk_section(shape: Shape, device: torch.device, directory: Path, rows: Rows) -> None:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = _model(shape, device, dtype)
-    cfg = model.config
-    geo = KVCacheConfig(cfg.num_layers, cfg.num_heads, cfg.head_dim, BLOCK, dtype)
-    max_blocks = -(-cfg.max_seq_len // BLOCK)
-    users = [f"user-{i}" for i in range(shape.disk_users)]
-    cache = KVCache(geo, (shape.disk_users + 2) * max_blocks, device)
-    host = HostTier(cache, (shape.disk_users + 1) * max_blocks)
-    disk = DiskTier(
-        cache, directory, (shape.disk_users + 2) * max_blocks * geo.bytes_per_block * 2,
-        "bench", max_blocks=max_blocks, staging_users=shape.disk_users,
-    )  # fmt: skip
-    tiers = KVTiers(cache, host, cfg.max_seq_len, disk=disk)
-    cands = min(shape.cands, 256)
-    scoring = ScoringConfig(top_k=min(20, cands), num_candidates=cands, exclude_recent=16)
-    scorer = Scorer(model, cache, scoring, cfg.task_names)
-    step = ModelStep(model, tiers, scorer, device)
-    rng = np.random.default_rng(3)
-    hist_len = shape.history + 1  # the whole history of a rebuilt user, its new event last
-
-    def tokens(n: int, t0: int) -> np.ndarray:
-        items = rng.integers(cfg.first_item_row, cfg.num_items, n)
-        ts = t0 + np.arange(n, dtype=np.int64) * 60_000
-        return np.stack([items, rng.integers(1, 4, n), ts], axis=1).astype(np.int64)
-
-    clock = {u: BASE_TS for u in users}
-
-    def work(u: str, prefill: bool) -> UserWork:
-        n = hist_len if prefill else 1
-        t = tokens(n, clock[u])
-        clock[u] = int(t[-1, 2]) + 60_000
-        return UserWork(u, t, prefill, t[-16:, 0].copy(), 0)
-
-    def timed(w: UserWork) -> tuple[float, float]:
-        """(whole step ms, ms of getting the user's cache ready): the step minus its
-        extend/retrieve/rank phases, i.e. admission, disk read, onload and prefill."""
-        with torch.inference_mode():
-            _sync(device)
-            t0 = time.perf_counter()
-            outputs, t = step.run([w])
-            _sync(device)
-        assert len(outputs) == 1, f"{w.user_id} lost on the way"
-        wall = (time.perf_counter() - t0) * 1000
-        return wall, wall - (t.extend + t.retrieve + t.rank) * 1000
-
-    def to_disk(u: str) -> None:
-        pool = cache.pool
-        dropped = host.offload(u, pool.block_table(u), pool.length(u))
-        assert not dropped, dropped
-        pool.free(u)
-        host.synchronize()
-        assert disk.store(u, host.snapshot(u)), f"disk refused {u}"
-        host.evict(u)
-
-    def cold() -> None:
-        for u in users:
-            if u in disk:
-                path = disk._entries[u].path
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-
-    staged = {kind: [0, 0] for kind in ("prefetched", "cold")}  # device-staged, hits
-
-    def counted(kind: str, w: UserWork) -> tuple[float, float]:
-        before = disk.stats().device_staged_loads
-        got = timed(w)
-        staged[kind][0] += disk.stats().device_staged_loads - before
-        staged[kind][1] += 1
-        return got
-
-    def prefetched_hit(u: str) -> tuple[float, float]:
-        to_disk(u)
-        tiers.prefetch([u])
-        read = disk._entries[u].read
-        assert read is not None
-        read.header.result()
-        for chunk in read.chunks:
-            chunk.result()  # the event arrived ahead of its step: the read is done
-        # (and with a device slot its chunks' copies to the GPU are queued: timed()'s
-        # device synchronize lets them land, as a step some time after the event would)
-        return counted("prefetched", work(u, False))
-
-    def cold_hit(u: str) -> tuple[float, float]:
-        to_disk(u)
-        cold()
-        return counted("cold", work(u, False))  # read inside the step, from the device
-
-    for u in users:
-        timed(work(u, True))  # every user built by a prefill of its history
-    user_bytes = [host.cache.config.bytes_per_block * len(cache.pool.block_table(u)) for u in users]
-    for label, make_cold in (("page cache", False), ("cold (fadvise DONTNEED)", True)):
-        for u in users:
-            to_disk(u)
-        if make_cold:
-            cold()
-        _sync(device)
-        staged_before = disk.stats().device_staged_loads
-        t0 = time.perf_counter()
-        started = tiers.prefetch(users)
-        assert all(v.value == "disk_hit" for v in tiers.settle(users).values())
-        admission = tiers.ensure_room(dict.fromkeys(users, 0))
-        assert not isinstance(admission, NoRoom)
-        tiers.unpin(users)
-        _sync(device)
-        seconds = time.perf_counter() - t0
-        rows.append({"section": "disk", "measure": f"onload {len(users)} users, {label}",
-                     "prefetched": started, "gb": round(sum(user_bytes) / 1e9, 3),
-                     "gb_s": round(sum(user_bytes) / seconds / 1e9, 2),
-                     "device_staged": _share(disk.stats().device_staged_loads - staged_before,
-                                             len(users))})  # fmt: skip
-        print(rows[-1], flush=True)
-    by_kind: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
-    for i, u in enumerate([*users[:2], *users]):  # the first two rounds warm kernels up
-        # Repeat what can be repeated: the first call after other work runs cold.
-        # Each kind its best of three, as the GPU hit (one sample of a kind that follows
-        # other work, as the first run did, runs cold: 15.7 against 8.3 ms).
-        got = {"gpu": min(timed(work(u, False)) for _ in range(3))}
-        got["prefetched"] = min(prefetched_hit(u) for _ in range(3))
-        got["cold"] = min(cold_hit(u) for _ in range(3))  # read inside the step
-        got["miss"] = min(timed(work(u, True)) for _ in range(3))  # rebuilt by a prefill
-        if i >= 2:
-            for key, ms in got.items():
-                by_kind[key].append(ms)
-    p50 = {
-        k: tuple(float(np.median([m[j] for m in v])) for j in (0, 1)) for k, v in by_kind.items()
-    }
-    gpu, miss = p50["gpu"], p50["miss"]
-    for kind, (step_ms, ready_ms) in p50.items():
-        rows.append({"section": "disk", "measure": f"B=1 step, {KINDS[kind]}",
-                     "history": shape.history, "step_p50_ms": round(step_ms, 3),
-                     "step_vs_prefill": round((step_ms - gpu[0]) / (miss[0] - gpu[0]), 4),
-                     "cache_ready_ms": round(ready_ms, 3),
-                     "ready_vs_prefill": round((ready_ms - gpu[1]) / (miss[1] - gpu[1]), 4),
-                     })  # fmt: skip
-        if kind in staged:  # every sample of the kind, warm-up rounds included
-            rows[-1]["device_staged"] = _share(*staged[kind])
-        print(rows[-1], flush=True)
-    s = disk.stats()
-    rows.append({"section": "disk", "measure": "disk tier stats", "fs": _filesystem(directory),
-                 "loads": s.loads,
-                 "read_gb_s": round(s.read_gb_s, 2), "verify_failures": s.verify_failures,
-                 "writes": s.writes, "sync_writes": s.sync_writes,
-                 "device_slots": s.device_slots, "device_staged_loads": s.device_staged_loads,
-                 "device_staging_mb": round(s.device_staging_bytes / 1e6, 1)})  # fmt: skip
-    tiers.close()
-
-
-def _share(part: int, whole: int) -> str:
-    """``yes`` / ``no`` / ``k of n``: how many of the hits were device-staged."""
-    return "yes" if part == whole else "no" if part == 0 else f"{part} of {whole}"
-
-
-def _filesystem(path: Path) -> str:
-    """``type device`` of the mount holding ``path`` (is the "disk" a disk, or RAM?)."""
-    best, found = "", "unknown"
-    try:
-        with open("/proc/mounts", encoding="utf-8") as mounts:
-            for line in mounts:
-                device, point, fstype = line.split()[:3]
-                if str(path.resolve()).startswith(point) and len(point) > len(best):
-                    best, found = point, f"{fstype} {device}"
-    except OSError:
-        pass
-    return found
 
 
 # ------------------------------------------------------------------ main
