@@ -66,6 +66,7 @@ for stage in "$@"; do
     workers)  # issue 13's process model (2026-12-04): host ceiling and the AOTI worker with
       # 1, 2, 3 worker processes on the one GPU, the dev broker's own latency beside them.
       # Packages: bench.aoti_packages first (~130 s) or a carried .streamrec-cache/bench-aoti.
+      # Since the eighth session N > 1 runs under MPS (worker_bench --mps auto, the default).
       mkdir -p "$OUT/workers"
       python3 -m bench.broker_latency --rate 2000 --seconds 4 --machine h200-host \
         --results-dir "$OUT/workers" 2>&1 | tail -4
