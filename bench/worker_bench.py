@@ -72,6 +72,8 @@ from bench.worker_side import (
     LocalWorker,
     WorkerSide,
     loaded_model,
+    loop_profile,
+    run_loop,
     split_percentiles,
 )
 from streamrec.cache.kv_cache import free_memory_bytes
@@ -256,7 +258,12 @@ def gpu_trace(seconds: float, path: Path) -> Row:
 
 
 async def paced(
-    bench: Bench, rate: float, users: IntArray, drain: float, trace: Path | None = None
+    bench: Bench,
+    rate: float,
+    users: IntArray,
+    drain: float,
+    trace: Path | None = None,
+    profile_s: float = 0.0,
 ) -> Row:
     start_ms = (time.time() + 0.5) * 1000.0
     ts = (start_ms + np.arange(len(users)) * (1000.0 / rate)).astype(np.int64)
@@ -270,6 +277,12 @@ async def paced(
         except Exception as exc:  # a bench aid: report, never end the run
             traced = {"error": repr(exc)}
         print(f"gpu trace @ {rate:g}/s: {traced}", flush=True)
+    profiled = None
+    if profile_s > 0:  # 1.5 s into the schedule (after any trace)
+        await asyncio.sleep(max(0.0, start_ms / 1000.0 + 1.5 - time.time()))
+        profiled = await loop_profile(bench.side, profile_s)
+        top = ", ".join(f"{c['name']} {c['share']:.1%}" for c in profiled["callbacks"][:5])
+        print(f"loop @ {rate:g}/s: busy {profiled['busy_share_per_process']}; {top}", flush=True)
     await bench.watch(bench.timeout_s, until=float(ts[-1]) / 1000.0)
     lag = bench.produced - bench.samples[-1][1]
     complete = await bench.watch(drain)
@@ -279,6 +292,8 @@ async def paced(
     row |= {"rate": rate, "lag_at_end": lag, "lag_at_end_s": round(lag / rate, 3)}
     if traced is not None:
         row["gpu_trace"] = traced
+    if profiled is not None:
+        row["loop_profile"] = profiled
     return row | {"complete": complete, "sustained": sustained}
 
 
@@ -334,7 +349,8 @@ async def _phases(bench: Bench, plan: Plan, ns: argparse.Namespace) -> list[Row]
     for rate, users in plan.rates:
         traced = tracing and rate in ns.gpu_trace
         trace = ns.results_dir / f"gpu_trace_{rate:g}.json" if traced else None
-        rows.append(await paced(bench, rate, users, ns.drain_s, trace))
+        profile_s = ns.profile_loop_s if rate in ns.profile_loop else 0.0
+        rows.append(await paced(bench, rate, users, ns.drain_s, trace, profile_s))
         _progress(rows[-1])
         if not rows[-1]["complete"]:
             print(f"{rate:g}/s did not drain within {ns.drain_s} s: higher rates skipped")
@@ -412,6 +428,7 @@ async def fleet_side(
             lengths=plan.lengths,
             seed=ns.seed,
             threads=ns.threads,
+            event_loop=ns.event_loop,
         )
         for i in range(ns.processes)
     ]
@@ -565,8 +582,29 @@ def main(argv: list[str] | None = None) -> int:
         "`streamrec run --workers-per-gpu N --mps` does (auto: with --processes > 1 on cuda "
         "when nvidia-cuda-mps-control is on PATH)",
     )
+    parser.add_argument(
+        "--event-loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        help="the worker's event loop: uvloop as `streamrec run` serves (the default when "
+        "installed), or the standard library's",
+    )
+    parser.add_argument(
+        "--profile-loop",
+        type=float,
+        nargs="*",
+        default=[],
+        metavar="RATE",
+        help="paced rates whose worker loops are profiled callback by callback "
+        "(bench/loop_profiler.py; needs --event-loop asyncio)",
+    )
+    parser.add_argument(
+        "--profile-loop-s", type=float, default=2.0, help="seconds of each loop profile"
+    )
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ns = parser.parse_args(argv)
+    if ns.profile_loop and ns.event_loop != "asyncio":
+        parser.error("--profile-loop times asyncio's handles: add --event-loop asyncio")
     small = WORKLOADS[ns.config] is SMALL
     defaults = {
         "users": 200 if small else 2_000,
@@ -589,8 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     with daemon or contextlib.nullcontext():
         if daemon is not None:  # before any CUDA context: the spawned workers inherit it
             os.environ.update(daemon.environ())
-        rows, meta = asyncio.run(_run(ns))
+        rows, meta = run_loop(ns.event_loop, _run(ns))
     meta["mps"] = daemon is not None or bool(os.environ.get(PIPE_ENV))
+    meta["event_loop"] = ns.event_loop
     print_table([{k: r[k] for k in _TABLE if k in r} for r in rows])
     if ns.host_ceiling:
         path = write_host_ceiling(rows, meta, ns)

@@ -20,16 +20,17 @@ import asyncio
 import multiprocessing as mp
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from bench.engine_bench import _model, _preload
+from bench.loop_profiler import CallbackTime, LoopProfiler, busy_share, merge, summary
 from bench.null_model import null_checkpoint_parts
 from bench.reference_config import ReferenceWorkload
 from streamrec.cache.history_backends import open_history_store
@@ -40,6 +41,7 @@ from streamrec.worker.app import App
 from streamrec.worker.model_loader import LoadedModel, load_serving_model
 
 Row = dict[str, Any]
+T = TypeVar("T")
 AckRow = tuple[str, int, float, float]  # user, version, ack wall time s, enqueue->ack s
 STAGES = ("queue_wait", "batch_wait", "step", "encode", "publish", "produce_ack", "commit")
 
@@ -155,6 +157,24 @@ class WorkerSide(Protocol):
 
     def check_alive(self) -> None: ...
 
+    def start_loop_profile(self) -> None: ...
+
+    def stop_loop_profile(self) -> list[tuple[dict[str, CallbackTime], float]]: ...
+
+
+async def loop_profile(side: WorkerSide, seconds: float) -> Row:
+    """Every worker loop's callbacks for ``seconds`` (bench/loop_profiler.py): the busy
+    share of each process and the top callbacks of all of them together."""
+    side.start_loop_profile()
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        parts = side.stop_loop_profile()
+    walls = [wall for _, wall in parts]
+    row = summary(merge([times for times, _ in parts]), sum(walls))
+    row["busy_share_per_process"] = [round(busy_share(t, w), 3) for t, w in parts]
+    return row
+
 
 class LocalWorker:
     """``App`` running on this process's event loop (the one-process model)."""
@@ -163,6 +183,7 @@ class LocalWorker:
 
     def __init__(self, app: App, task: asyncio.Task[int], acks: AckLog) -> None:
         self.app, self.task, self.acks = app, task, acks
+        self.loop_profiler = LoopProfiler()
 
     def completed(self) -> int:
         return self.app.tracker.stats().completed  # not app.stats(): polled every few ms
@@ -190,6 +211,13 @@ class LocalWorker:
         if self.task.done():
             raise BrokerError("the bench worker stopped (see its log)")
 
+    def start_loop_profile(self) -> None:
+        self.loop_profiler.start()
+
+    def stop_loop_profile(self) -> list[tuple[dict[str, CallbackTime], float]]:
+        times = self.loop_profiler.stop()
+        return [(times, self.loop_profiler.wall_s)]
+
 
 @dataclass(frozen=True)
 class FleetMember:
@@ -204,13 +232,24 @@ class FleetMember:
     lengths: np.ndarray  # [U] preloaded tokens per user (every user: the owner is not known)
     seed: int
     threads: int
+    event_loop: str = "asyncio"  # or "uvloop", the product's (``streamrec run``)
+
+
+def run_loop(event_loop: str, main: Coroutine[Any, Any, T]) -> T:
+    """``main`` on the named event loop: ``uvloop`` as ``streamrec run`` serves, or the
+    standard library's ``asyncio`` (which ``bench.loop_profiler`` can see into)."""
+    if event_loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(main)
+    return asyncio.run(main)
 
 
 def child_main(spec: FleetMember, conn: Connection, counters: Any) -> None:
     """A spawned worker process: model, preloaded store, ``App``; answers the parent."""
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    asyncio.run(_child(spec, conn, counters))
+    run_loop(spec.event_loop, _child(spec, conn, counters))
 
 
 async def _child(spec: FleetMember, conn: Connection, counters: Any) -> None:
@@ -237,6 +276,11 @@ async def _child(spec: FleetMember, conn: Connection, counters: Any) -> None:
         if kind == "switch":
             sys.setswitchinterval(request[1] / 1000.0)
             return None
+        if kind == "loop_start":
+            local.start_loop_profile()
+            return None
+        if kind == "loop_stop":
+            return local.stop_loop_profile()[0]
         app.stop()  # "stop"
         return None
 
@@ -324,6 +368,12 @@ class Fleet:
     def stages(self, start: float, end: float) -> dict[str, np.ndarray]:
         parts = [p for p in self._ask("stages", start, end) if p]
         return {n: np.concatenate([p[n] for p in parts]) for n in STAGES} if parts else {}
+
+    def start_loop_profile(self) -> None:
+        self._ask("loop_start")
+
+    def stop_loop_profile(self) -> list[tuple[dict[str, CallbackTime], float]]:
+        return self._ask("loop_stop")
 
     def check_alive(self) -> None:
         dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]

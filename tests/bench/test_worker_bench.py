@@ -23,9 +23,15 @@ def test_event_book_maps_versions_past_the_preload_to_timed_events() -> None:
 def test_worker_bench_runs_end_to_end_on_the_dev_broker(tmp_path) -> None:
     argv = ["--config", "small", "--device", "cpu", "--users", "24", "--events", "300"]
     argv += ["--rates", "100", "--seconds", "1.5", "--max-batch-users", "16", "--threads", "1"]
+    argv += ["--event-loop", "asyncio", "--profile-loop", "100", "--profile-loop-s", "0.5"]
     assert main([*argv, "--results-dir", str(tmp_path)]) == 0
     document = json.loads((tmp_path / "worker_bench_small_cpu.json").read_text())
     warm, throughput, latency = document["rows"]
+    assert document["meta"]["event_loop"] == "asyncio"
+    profile = latency["loop_profile"]  # the worker loop's callbacks, 0.5 s of the phase
+    assert 0 < profile["busy_share"] <= 1 and 0.4 < profile["wall_s"] < 1.0
+    names = {c["name"] for c in profile["callbacks"]}
+    assert names & {"App._fetch_loop", "ServingPipeline._prepare_loop", "App._serve"}, names
     assert warm["completed"] == warm["events"] == 24
     assert warm["gpu_hit_rate"] == 0.0  # every first event is a prefill
     assert throughput["completed"] == throughput["events"] == 300
@@ -44,9 +50,12 @@ def test_worker_bench_runs_end_to_end_on_the_dev_broker(tmp_path) -> None:
 def test_worker_bench_runs_two_worker_processes_in_one_group(tmp_path) -> None:
     argv = ["--config", "small", "--device", "cpu", "--users", "24", "--events", "300"]
     argv += ["--rates", "100", "--seconds", "1.5", "--max-batch-users", "16", "--threads", "1"]
+    argv += ["--event-loop", "asyncio", "--profile-loop", "100", "--profile-loop-s", "0.5"]
     assert main([*argv, "--processes", "2", "--results-dir", str(tmp_path)]) == 0
     document = json.loads((tmp_path / "worker_bench_small_cpu.json").read_text())
     warm, throughput, latency = document["rows"]
+    shares = latency["loop_profile"]["busy_share_per_process"]  # each child's own loop
+    assert len(shares) == 2 and all(0 < s <= 1 for s in shares)
     assert document["meta"]["processes"] == 2
     assert all(row["processes"] == 2 for row in (warm, throughput, latency))
     # every event is covered once whichever process owned its user
@@ -54,6 +63,12 @@ def test_worker_bench_runs_two_worker_processes_in_one_group(tmp_path) -> None:
     assert throughput["completed"] == throughput["events"] == 300
     assert latency["completed"] == latency["events"] == 150 == latency["e2p_events"]
     assert latency["split_ms"]["step_p50_ms"] > 0  # the children's stage timings came back
+
+
+def test_loop_profile_needs_the_asyncio_loop(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--event-loop", "uvloop", "--profile-loop", "100"])
+    assert "--profile-loop times asyncio's handles" in capsys.readouterr().err
 
 
 def test_process_kv_budget_covers_the_largest_partition_range() -> None:
