@@ -288,7 +288,7 @@ class HSTU(nn.Module):
                 layer.time_bias, self.time_edges,  # type: ignore[arg-type]
                 n, self._layer_kv_scale(layer_idx),
             )  # fmt: skip
-        _, v, q, k = layer.split(h, activated)  # [B, C, H, d]
+        v, q, k = layer.value_query_key(h, activated)  # [B, C, H, d]
         kc, vc, k_ts = self._gather_context(layer_idx, kv_pool, ts_pool, block_tables)
         span = kc.shape[1]
         key_pos = torch.arange(span, device=q.device, dtype=torch.int64)  # [S]
@@ -577,7 +577,7 @@ class HSTU(nn.Module):
             attn = self._candidate_attention(
                 idx, h, activated, query_ts, kv_pool, ts_pool, block_tables, cached_lens
             )
-            x = layer.output(x, layer.split(h, activated)[0], attn, fl)  # [B, C, D]
+            x = layer.output(x, layer.gate(h, activated), attn, fl)  # [B, C, D]
         return torch.sigmoid(self.task_head(self.norm_out(x)))
 
     def retrieve(

@@ -52,6 +52,21 @@ class HSTULayer(nn.Module):
         u, v, q, k = (part.reshape(shape) for part in h.chunk(4, dim=-1))
         return u, v, q, k
 
+    def gate(self, h: torch.Tensor, activated: bool) -> torch.Tensor:
+        """u [..., H, d] alone (its SiLU only: the attention read v, q, k itself)."""
+        u = h[..., : self.num_heads * self.head_dim]
+        u = u if activated else F.silu(u)
+        return u.reshape(*h.shape[:-1], self.num_heads, self.head_dim)
+
+    def value_query_key(
+        self, h: torch.Tensor, activated: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """v, q, k [..., H, d] alone (their SiLU only; ``gate`` has u's)."""
+        t = h[..., self.num_heads * self.head_dim :]
+        t = t if activated else F.silu(t)
+        v, q, k = t.reshape(*h.shape[:-1], 3, self.num_heads, self.head_dim).unbind(-3)
+        return v, q, k
+
     def qkv_columns(self) -> tuple[int, int, int]:
         """Where q, k and v start in a projection row."""
         width = self.num_heads * self.head_dim
