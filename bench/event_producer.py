@@ -3,15 +3,17 @@ input topic, keyed by user, as a backlog or on a schedule.
 
 It runs in its own process so that producing never competes with the measured worker for
 its event loop or GIL; ``Job`` is what the bench hands it over a pipe, and the reply says
-how fast it kept up (``max_lag_ms`` behind the schedule). ``partition_of`` is Kafka's
-default partitioner, which the per-process KV budget of ``worker_bench --processes``
-must agree with.
+how fast it kept up (``max_lag_ms`` behind the schedule) and, as p50/p99, each paced
+event's scheduled time → append (``append_lag``) and each batch's append → ack.
+``partition_of`` is Kafka's default partitioner, which the per-process KV budget of
+``worker_bench --processes`` must agree with.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -79,6 +81,17 @@ async def _send_job(
     keys = {int(u): f"u{u}".encode() for u in np.unique(job.users)}
     part = {u: partition_of(k, partitions) for u, k in keys.items()}
     acks: list[asyncio.Future[Any]] = []
+    append_lag_ms: list[float] = []  # per paced event: its scheduled time -> appended
+    ack_ms: list[float] = []  # per batch: handed to the producer -> the broker's ack
+
+    def on_ack(sent_s: float) -> Callable[[asyncio.Future[Any]], None]:
+        return lambda _: ack_ms.append((time.time() - sent_s) * 1000.0)
+
+    async def send(batch: Any, partition: int) -> None:
+        ack = await producer.send_batch(batch, topic, partition=partition)
+        ack.add_done_callback(on_ack(time.time()))
+        acks.append(ack)
+
     started = time.time()
     while sent < n:
         now_ms = time.time() * 1000.0
@@ -104,15 +117,21 @@ async def _send_job(
             if batch is None:
                 batch = batches[p] = producer.create_batch()
             if batch.append(key=keys[user], value=value, timestamp=None, headers=headers) is None:
-                acks.append(await producer.send_batch(batch, topic, partition=p))
+                await send(batch, p)
                 batch = batches[p] = producer.create_batch()
                 batch.append(key=keys[user], value=value, timestamp=None, headers=headers)
         for p, batch in batches.items():
-            acks.append(await producer.send_batch(batch, topic, partition=p))
+            await send(batch, p)
+        if stamps is not None:  # the record's timestamp is its append time (timestamp=None)
+            append_lag_ms.extend((time.time() * 1000.0 - np.asarray(stamps)).tolist())
         sent = due
         await asyncio.sleep(0)
     sent_at = time.time()
     await asyncio.gather(*acks)
     first = started if job.ts_ms is None else float(job.ts_ms[0]) / 1000.0
     rate = n / max(sent_at - first, 1e-9)
-    return {"events": n, "events_per_s": rate, "max_lag_ms": max_lag_ms}
+    out = {"events": n, "events_per_s": rate, "max_lag_ms": max_lag_ms}
+    for name, values in (("append_lag", append_lag_ms), ("append_ack", ack_ms)):
+        for q in (50, 99):
+            out[f"{name}_p{q}_ms"] = float(np.percentile(values, q)) if values else 0.0
+    return out

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|workers|mps|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|workers|mps|e2p|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -94,6 +94,31 @@ for stage in "$@"; do
       for rate in 5000 10000; do
         python3 -m bench.broker_latency --rate $rate --seconds 4 --machine h200-host \
           --results-dir "$OUT/mps/broker$rate" 2>&1 | tail -3
+      done ;;
+    e2p)  # issue 13, ninth session: where an event waits before the batcher (the split's
+      # transit = record timestamp -> fetched, the producer's append lag) and the idle
+      # release + closed output batches, before/after in one instance (the tree before in
+      # .carry/before with this bench copied in). Packages: built here for both trees.
+      mkdir -p "$OUT/e2p"
+      w8="--config hstu-8l --device cuda --aoti --users 2000 --events 60000 --rates 2000 5000
+          10000 --seconds 5 --drain-s 8 --max-batch-users 256 --partitions 12 --warm-wave 256
+          --processes 3"
+      if [ ! -d .streamrec-cache/bench-aoti ]; then
+        [ -d .carry/before ] && (cd .carry/before && python3 -m bench.aoti_packages \
+          --workloads HSTU-8L > "$OUT/e2p/packages_before.log" 2>&1) &
+        python3 -m bench.aoti_packages --workloads HSTU-8L > "$OUT/e2p/packages.log" 2>&1
+        wait; tail -2 "$OUT/e2p/packages.log"
+        tar czf "$OUT/e2p/bench-aoti.tgz" .streamrec-cache/bench-aoti && ls -la "$OUT/e2p"
+      fi
+      for rate in 2000 5000; do
+        python3 -m bench.broker_latency --rate $rate --seconds 4 --linger-ms 5 0 \
+          --machine h200-host --results-dir "$OUT/e2p/broker$rate" 2>&1 | tail -3
+      done
+      for tree in ${E2P_TREES:-before after}; do
+        dir=.; [ "$tree" = before ] && dir=.carry/before
+        [ -d "$dir" ] || continue
+        (cd "$dir" && timeout 170 python3 -m bench.worker_bench $w8 ${E2P_FLAGS:-} \
+          --results-dir "$OUT/e2p/$tree" 2>&1 | grep -E "^(throughput|latency|loop) " | tail -6)
       done ;;
     worker|worker-eager|worker-aoti)  # (e): the whole worker with the dev broker here
       flags=""; [ "$stage" = worker-eager ] && flags="--no-cuda-graphs"

@@ -206,6 +206,9 @@ class Bench:
         if "events_per_s" in producer:
             row["producer_events_per_s"] = producer["events_per_s"]
             row["producer_max_lag_ms"] = round(producer["max_lag_ms"], 1)
+            row["producer_ms"] = {
+                k: round(v, 2) for k, v in producer.items() if k.startswith("append_")
+            }
         row |= split_percentiles(self.side.stages(a["mono"], b["mono"]))
         e2p = self.book.latencies_ms(acks)
         if e2p:

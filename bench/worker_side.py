@@ -43,7 +43,9 @@ from streamrec.worker.model_loader import LoadedModel, load_serving_model
 Row = dict[str, Any]
 T = TypeVar("T")
 AckRow = tuple[str, int, float, float]  # user, version, ack wall time s, enqueue->ack s
-STAGES = ("queue_wait", "batch_wait", "step", "encode", "publish", "produce_ack", "commit")
+STAGES = (
+    "transit", "queue_wait", "batch_wait", "step", "encode", "publish", "produce_ack", "commit"
+)  # fmt: skip
 
 
 def loaded_model(
@@ -142,6 +144,30 @@ def split_percentiles(stages: dict[str, np.ndarray]) -> Row:
     return {"split_ms": split}
 
 
+class FetchProbe:
+    """Per fetched record, wall ms from its Kafka timestamp (the bench producer's append)
+    to the worker's fetch handing it over: the broker, the fetch cadence and any wait in
+    aiokafka's buffer for the loop. Wraps ``app.input.fetch`` of a bench worker only."""
+
+    def __init__(self, app: App) -> None:
+        self.chunks: list[tuple[float, np.ndarray]] = []  # (monotonic s, ages ms [R])
+        self._fetch = app.input.fetch
+        app.input.fetch = self  # type: ignore[method-assign]
+
+    async def __call__(self, timeout_ms: int) -> Any:
+        got = await self._fetch(timeout_ms)
+        if got:
+            now_ms, mono = time.time() * 1000.0, time.monotonic()
+            # aiokafka's ConsumerRecord: its timestamp is the producer's append (CreateTime)
+            stamps = [r.timestamp for records in got.values() for r in records]  # type: ignore[attr-defined]
+            self.chunks.append((mono, now_ms - np.asarray(stamps, dtype=np.float64)))
+        return got
+
+    def ages(self, start: float, end: float) -> np.ndarray:
+        parts = [ages for mono, ages in self.chunks if start <= mono < end]
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+
 class WorkerSide(Protocol):
     """What the phases ask of the worker(s) they measure."""
 
@@ -184,6 +210,7 @@ class LocalWorker:
     def __init__(self, app: App, task: asyncio.Task[int], acks: AckLog) -> None:
         self.app, self.task, self.acks = app, task, acks
         self.loop_profiler = LoopProfiler()
+        self.fetch_probe = FetchProbe(app)
 
     def completed(self) -> int:
         return self.app.tracker.stats().completed  # not app.stats(): polled every few ms
@@ -205,7 +232,8 @@ class LocalWorker:
         return self.acks.rows[a["acks"] : b["acks"]]
 
     def stages(self, start: float, end: float) -> dict[str, np.ndarray]:
-        return latency_stages(self.app, start, end)
+        stages = latency_stages(self.app, start, end)
+        return stages | {"transit": self.fetch_probe.ages(start, end)} if stages else {}
 
     def check_alive(self) -> None:
         if self.task.done():

@@ -45,10 +45,6 @@ _TRACES = 4096  # batch traces kept for the latency split (bench, debugging)
 _STEPS_AHEAD = 2  # steps handed to the engine thread before the oldest is published
 
 
-def _stamp_executed(trace: BatchTrace, _: object) -> None:
-    trace.executed = time.monotonic()
-
-
 @dataclass(frozen=True, slots=True)
 class Published:
     """One acknowledged recommendation, as the ``on_published`` hook sees it."""
@@ -133,6 +129,8 @@ class ServingPipeline:
         self._idle = asyncio.Event()
         self._idle.set()
         self._in_flight = 0
+        self._unexecuted = 0  # batches taken whose step has not finished
+        batcher.set_consumer_idle(True)
         self._taken_seq = -1
         self._finished_seq = -1
         self._progress = asyncio.Condition()
@@ -185,6 +183,8 @@ class ServingPipeline:
                 await self._queue.put(None)
                 return
             self._in_flight += 1
+            self._unexecuted += 1
+            self._batcher.set_consumer_idle(False)
             self._taken_seq = batch.seq
             self._idle.clear()
             tps = {d.source.tp for u in batch.users for d in u.deltas}
@@ -198,7 +198,8 @@ class ServingPipeline:
                 batch, generations, BatchTrace(batch.n_events, waits, time.monotonic())
             )
             if not await self._same_log():
-                await self._finished(batch.seq)  # never applied: re-read from the new log
+                self._executed(item.trace, None)  # never applied: re-read from the new log
+                await self._finished(batch.seq)
                 continue
             item.prepared = await self._engine.prepare(batch)
             item.trace.prepared = time.monotonic()
@@ -215,7 +216,7 @@ class ServingPipeline:
             assert item.prepared is not None
             item.trace.taken = time.monotonic()
             item.step = asyncio.create_task(self._engine.execute(item.prepared))
-            item.step.add_done_callback(functools.partial(_stamp_executed, item.trace))
+            item.step.add_done_callback(functools.partial(self._executed, item.trace))
             await self._stepping.put(item)  # bounded: at most STEPS_AHEAD steps queued
 
     async def _publish_loop(self) -> None:
@@ -228,6 +229,14 @@ class ServingPipeline:
             self.last_step_at = time.monotonic()
             self._account(item)
             await self._publish(item, result)
+
+    def _executed(self, trace: BatchTrace, _: object) -> None:
+        """A step finished (or its batch was dropped): with none left the engine is idle,
+        and the batcher may release what is pending at once."""
+        trace.executed = time.monotonic()
+        self._unexecuted -= 1
+        if self._unexecuted == 0:
+            self._batcher.set_consumer_idle(True)
 
     async def _finished(self, seq: int) -> None:
         self._in_flight -= 1

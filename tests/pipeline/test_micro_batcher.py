@@ -41,6 +41,7 @@ def make(
     high: int = 100,
     low: int = 10,
     capacity: int | None = None,
+    release_when_idle: bool = True,
 ) -> MicroBatcher:
     config = BatcherConfig(
         max_batch_users=max_batch_users,
@@ -48,6 +49,7 @@ def make(
         queue_high_watermark=high,
         queue_low_watermark=low,
         max_queue_events=capacity,
+        release_when_idle=release_when_idle,
     )
     return MicroBatcher(config, clock)
 
@@ -98,6 +100,47 @@ async def test_a_late_consumer_gets_an_overdue_batch_immediately(clock):
     batch = await batcher.next_batch()
     assert batch.reason is ReleaseReason.TIME
     assert batch.oldest_wait_s == pytest.approx(20 * MS)
+
+
+async def test_an_idle_consumer_gets_pending_users_without_the_window(clock):
+    batcher = make(clock, max_batch_users=3, max_wait_ms=5.0)
+    batcher.set_consumer_idle(True)
+    pending = asyncio.create_task(batcher.next_batch())
+    await clock.settle()
+    assert not pending.done()  # nothing pending: idle alone releases nothing
+    batcher.submit_many([delta("a", 0), delta("b", 1)])
+    await clock.settle()
+    batch = pending.result()
+    assert (batch.reason, batch.released_at) == (ReleaseReason.IDLE, 0.0)
+    assert [u.user_id for u in batch.users] == ["a", "b"]
+    assert batcher.stats().released_by_idle == 1
+
+
+async def test_a_busy_consumer_waits_out_the_window_and_idleness_ends_it(clock):
+    batcher = make(clock, max_batch_users=3, max_wait_ms=5.0)
+    batcher.set_consumer_idle(False)  # a step is running: coalesce behind it
+    pending = asyncio.create_task(batcher.next_batch())
+    batcher.submit(delta("a", 0))
+    await clock.advance(2 * MS)
+    batcher.submit(delta("b", 1))
+    await clock.advance(1 * MS)
+    assert not pending.done()
+    batcher.set_consumer_idle(True)  # the step finished at 3 ms: release now, not at 5
+    await clock.settle()
+    batch = pending.result()
+    assert batch.reason is ReleaseReason.IDLE
+    assert batch.queue_delays_s() == pytest.approx([3 * MS, 1 * MS])
+
+
+async def test_release_when_idle_off_keeps_the_window_for_an_idle_consumer(clock):
+    batcher = make(clock, max_wait_ms=5.0, release_when_idle=False)
+    batcher.set_consumer_idle(True)
+    pending = asyncio.create_task(batcher.next_batch())
+    batcher.submit(delta("a", 0))
+    await clock.advance(4.999 * MS)
+    assert not pending.done()
+    await clock.advance(0.001 * MS)
+    assert pending.result().reason is ReleaseReason.TIME
 
 
 async def test_zero_max_wait_releases_whatever_is_pending_at_once(clock):

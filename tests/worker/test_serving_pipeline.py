@@ -119,6 +119,8 @@ async def test_a_revoke_with_batches_in_flight_loses_and_duplicates_nothing(
     traces = list(first.pipeline.stats.traces)
     overlapped = sum(b.prepared < a.executed for a, b in itertools.pairwise(traces))
     assert overlapped > 0, "no batch was prepared while the previous one executed"
+    released = first.batcher.stats()  # behind a running step by time, to an idle engine at once
+    assert released.released_by_time > 0 and released.released_by_idle > 0
     hand_overs = [r for r in caplog.records if r.getMessage() == "hand-over done"]
     assert hand_overs, "the first worker never handed partitions over"
     assert first.stats().rebalances >= 2 and second.stats().published > 0
