@@ -75,6 +75,13 @@ class WorkerMetrics:
         self.batch_users = Histogram(
             p + "batch_users", "Users per micro-batch", buckets=_BATCH_BUCKETS, registry=r
         )
+        self.batches_released = Counter(
+            p + "batches_released",
+            "Micro-batches by release reason: size (full), time (max_wait_ms behind a busy "
+            "engine), idle (the engine was free), close",
+            ["reason"],
+            registry=r,
+        )
         self.queue_delay = Histogram(
             p + "queue_delay_seconds",
             "Time a user's oldest event of a batch waited in the batcher queue",
@@ -282,6 +289,7 @@ class WorkerMetrics:
         (its oldest event's), not per event: the histogram stays off the per-event path.
         """
         self.batch_users.observe(batch.n_users)
+        self.batches_released.labels(batch.reason.value).inc()
         released = batch.released_at
         for user in batch.users:
             self.queue_delay.observe(max(released - user.first_enqueued_at, 0.0))

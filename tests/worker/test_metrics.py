@@ -6,7 +6,9 @@ import re
 from pathlib import Path
 
 from streamrec.cache.stats import BlockPoolStats, DiskTierStats, HostTierStats, KVTiersStats
+from streamrec.pipeline.delta import Delta, UserDelta
 from streamrec.pipeline.generator import GenerationStats
+from streamrec.pipeline.micro_batcher import Batch, ReleaseReason
 from streamrec.worker.metrics import WorkerMetrics
 
 README = Path(__file__).resolve().parents[2] / "deploy" / "README.md"
@@ -116,3 +118,12 @@ def test_invalid_counts_sum_the_topics_by_kind() -> None:
     metrics.invalid("pb", {"key_mismatch": 2, "undecodable": 1})
     metrics.invalid("ia", {"key_mismatch": 1, "missing_key": 4})
     assert metrics.invalid_counts() == {"key_mismatch": 3, "undecodable": 1, "missing_key": 4}
+
+
+def test_batches_are_counted_by_release_reason() -> None:
+    metrics = WorkerMetrics()
+    user = UserDelta("u1", (Delta("u1", "i1", 1, 0, "pb", 0, 0, 0.0),))
+    for reason in (ReleaseReason.IDLE, ReleaseReason.IDLE, ReleaseReason.SIZE):
+        metrics.observe_batch(Batch(0, (user,), reason, 0.0, 1), {})
+    assert metrics.sample("streamrec_batches_released_total", {"reason": "idle"}) == 2.0
+    assert metrics.sample("streamrec_batches_released_total", {"reason": "size"}) == 1.0
