@@ -5,11 +5,14 @@
     publish n-1 (event loop)  ─┘  encode to bytes, hand to the producer
 
 ``prepare`` (history append, plan, history reads of rebuilt users) runs ahead of the
-step; a prepared batch is handed to the engine thread at once (up to two steps queued
-there), so the thread runs step after step without a round trip through the event loop;
-``publish`` of a finished batch runs while the engine thread executes the next one, so
-neither the store round trip nor result encoding leaves the GPU idle. Order
-still holds where it matters: batches execute one at a time in batcher order (per-user
+step; a prepared batch is handed to the engine thread at once, so the thread runs step
+after step without a round trip through the event loop. At most two batches are taken and
+not yet executed (one executing, one prepared behind it): while the engine is saturated
+the next batch stays in the batcher and grows there, one larger step instead of several
+small ones queued; while no step is pending the batcher releases at once
+(``set_consumer_idle``). ``publish`` of a finished batch runs while the engine thread
+executes the next one, so neither the store round trip nor result encoding leaves the GPU
+idle. Order still holds where it matters: batches execute one at a time in batcher order (per-user
 token order), are published in that order (per-user output order), and an offset is
 done only when its append is durable (``prepare`` returned) and its record acknowledged
 (the producer's callback), quoting the generation its partition had when the batch was
@@ -43,6 +46,11 @@ TP = tuple[str, int]
 Generations = dict[TP, int | None]
 _TRACES = 4096  # batch traces kept for the latency split (bench, debugging)
 _STEPS_AHEAD = 2  # steps handed to the engine thread before the oldest is published
+# Batches taken from the batcher whose step has not finished: one executing, one prepared
+# behind it. The next batch is taken only when one of them is done, so that while the
+# engine is saturated events coalesce in the batcher into one larger step instead of
+# queueing as many small ones (each with its own fixed cost) behind it.
+_UNEXECUTED_MAX = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +138,8 @@ class ServingPipeline:
         self._idle.set()
         self._in_flight = 0
         self._unexecuted = 0  # batches taken whose step has not finished
+        self._room = asyncio.Event()  # set while _unexecuted < _UNEXECUTED_MAX
+        self._room.set()
         batcher.set_consumer_idle(True)
         self._taken_seq = -1
         self._finished_seq = -1
@@ -177,6 +187,7 @@ class ServingPipeline:
     async def _prepare_loop(self) -> None:
         while True:
             await self._open.wait()
+            await self._room.wait()
             try:
                 batch = await self._batcher.next_batch()
             except BatcherClosed:
@@ -184,6 +195,8 @@ class ServingPipeline:
                 return
             self._in_flight += 1
             self._unexecuted += 1
+            if self._unexecuted >= _UNEXECUTED_MAX:
+                self._room.clear()
             self._batcher.set_consumer_idle(False)
             self._taken_seq = batch.seq
             self._idle.clear()
@@ -235,6 +248,8 @@ class ServingPipeline:
         and the batcher may release what is pending at once."""
         trace.executed = time.monotonic()
         self._unexecuted -= 1
+        if self._unexecuted < _UNEXECUTED_MAX:
+            self._room.set()
         if self._unexecuted == 0:
             self._batcher.set_consumer_idle(True)
 
