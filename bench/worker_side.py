@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import sys
 import time
 from collections.abc import Coroutine, Sequence
@@ -323,6 +324,9 @@ async def _child(spec: FleetMember, conn: Connection, counters: Any) -> None:
 
     loop = asyncio.get_running_loop()
     loop.add_reader(conn.fileno(), on_request)
+    # uvloop makes a watched descriptor non-blocking; a large reply (acks, stages) would
+    # then fail with EAGAIN mid-write. The answers are meant to block until sent.
+    os.set_blocking(conn.fileno(), True)
     try:
         while not task.done():  # the parent polls this like the in-process counter
             counters[spec.index] = local.completed()
