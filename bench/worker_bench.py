@@ -74,6 +74,7 @@ from bench.worker_side import (
     loaded_model,
     loop_profile,
     run_loop,
+    serving_app,
     split_percentiles,
 )
 from streamrec.cache.kv_cache import free_memory_bytes
@@ -81,7 +82,6 @@ from streamrec.errors import BrokerError, ConfigError
 from streamrec.models.paged_attention import triton_available
 from streamrec.tools.mps_daemon import MPS_MODES, PIPE_ENV, MpsDaemon
 from streamrec.worker import config as wc
-from streamrec.worker.app import App
 
 
 def _moved(new: str, old: str, name: str) -> Any:
@@ -393,7 +393,7 @@ async def local_side(
     await _preload(store, plan.lengths, known, np.random.default_rng(ns.seed))
     preload_s = time.perf_counter() - t0
     acks = AckLog()
-    app = App(config, model=loaded, store=store, on_published=acks)
+    app = serving_app(config, loaded, store, acks)
     worker = asyncio.create_task(app.run())
     try:
         deadline = time.monotonic() + ns.timeout_s

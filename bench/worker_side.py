@@ -17,6 +17,7 @@ one they measure.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import multiprocessing as mp
 import os
 import sys
@@ -79,6 +80,14 @@ def aoti_loaded_model(w: ReferenceWorkload, device: str) -> LoadedModel:
     scoring = ScoringConfig(num_candidates=w.num_candidates, top_k=20)
     model, backend = load_serving_model(cfg, checkpoint, torch.device(device), scoring)
     return LoadedModel(checkpoint, model, backend, torch.device(device))
+
+
+def serving_app(config: Any, loaded: LoadedModel, store: Any, acks: AckLog) -> App:
+    """The bench's worker as ``streamrec run`` serves: its heap frozen once started (a tree
+    from before ``App(freeze_heap=...)``, which this bench also drives, without)."""
+    if "freeze_heap" in inspect.signature(App).parameters:
+        return App(config, model=loaded, store=store, on_published=acks, freeze_heap=True)
+    return App(config, model=loaded, store=store, on_published=acks)
 
 
 class AckLog:
@@ -287,7 +296,7 @@ async def _child(spec: FleetMember, conn: Connection, counters: Any) -> None:
     store = open_history_store("memory://", spec.workload.max_seq_len)
     await _preload(store, spec.lengths, known, np.random.default_rng(spec.seed))
     acks = AckLog()
-    app = App(spec.config, model=loaded, store=store, on_published=acks)
+    app = serving_app(spec.config, loaded, store, acks)
     task = asyncio.create_task(app.run())
     local = LocalWorker(app, task, acks)
 

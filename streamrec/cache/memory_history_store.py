@@ -1,8 +1,14 @@
-"""In-process history store: the embedded default, lost when the process ends."""
+"""In-process history store: the embedded default, lost when the process ends.
+
+Each user's window is one ``[L, 3]`` int64 array (item, action, ts_ms), not a deque of
+tuples: the garbage collector traverses every element of a container it tracks, and two
+thousand users' deques of a thousand tuples made each full collection a 100-200 ms pause
+of the whole worker (CPU machine, ``worker_bench --host-ceiling``), about every 500,000
+appended events. A NumPy array is one object with nothing to traverse.
+"""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -21,15 +27,18 @@ from streamrec.cache.stats import HistoryStoreStats
 _TOKEN_BYTES = 24  # three int64, as the Redis backend packs them
 
 
+_EMPTY = np.zeros((0, 3), dtype=np.int64)
+
+
 @dataclass
 class _UserHistory:
-    tokens: deque[tuple[int, int, int]]
+    table: np.ndarray = field(default_factory=lambda: _EMPTY)  # [L, 3] int64, oldest first
     watermarks: dict[TopicPartition, int] = field(default_factory=dict)
     total: int = 0
 
 
 class MemoryHistoryStore(HistoryStore):
-    """Histories in a dict of bounded deques; appends are synchronous under the hood."""
+    """Histories in a dict of per-user arrays; appends are synchronous under the hood."""
 
     def __init__(self, max_seq_len: int) -> None:
         super().__init__(max_seq_len)
@@ -39,11 +48,11 @@ class MemoryHistoryStore(HistoryStore):
         applied: dict[UserId, int] = {}
         skipped = 0
         keys: dict[tuple[str, int], TopicPartition] = {}
+        rows: dict[UserId, list[tuple[int, int, int]]] = {}
         for user_id, topic, partition, offset, token in batch:
             state = self._users.get(user_id)
             if state is None:
-                state = _UserHistory(deque(maxlen=self.max_seq_len))
-                self._users[user_id] = state
+                state = self._users[user_id] = _UserHistory()
             tp = keys.get((topic, partition))
             if tp is None:
                 tp = keys[(topic, partition)] = (topic + scope, partition)
@@ -51,9 +60,16 @@ class MemoryHistoryStore(HistoryStore):
                 skipped += 1
                 continue
             state.watermarks[tp] = offset
-            state.tokens.append((int(token[0]), int(token[1]), int(token[2])))
-            state.total += 1
-            applied[user_id] = applied.get(user_id, 0) + 1
+            new = rows.get(user_id)
+            if new is None:
+                new = rows[user_id] = []
+            new.append((int(token[0]), int(token[1]), int(token[2])))
+        for user_id, new in rows.items():
+            state = self._users[user_id]
+            added = np.array(new, dtype=np.int64)  # [n, 3]
+            state.table = np.concatenate([state.table, added])[-self.max_seq_len :]
+            state.total += len(new)
+            applied[user_id] = len(new)
         return self._counted(AppendResult(applied, skipped))
 
     async def get(self, users: Sequence[UserId]) -> dict[UserId, History]:
@@ -63,8 +79,7 @@ class MemoryHistoryStore(HistoryStore):
             if state is None:
                 out[user] = History.empty()
                 continue
-            table = np.array(state.tokens, dtype=np.int64).reshape(-1, 3)  # [L, 3]
-            out[user] = History.from_table(table, dict(state.watermarks), state.total)
+            out[user] = History.from_table(state.table, dict(state.watermarks), state.total)
         return self._counted_gets(out)
 
     async def drop(self, users: Sequence[UserId]) -> None:
@@ -86,5 +101,5 @@ class MemoryHistoryStore(HistoryStore):
         self._users.clear()
 
     def stats(self) -> HistoryStoreStats:
-        tokens = sum(len(s.tokens) for s in self._users.values())
+        tokens = sum(len(s.table) for s in self._users.values())
         return self._stats("memory", len(self._users), tokens * _TOKEN_BYTES)

@@ -132,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
     from streamrec.worker.app import App
 
     async def serve() -> int:
-        app = App(config)
+        app = App(config, freeze_heap=True)  # this process serves one worker
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, app.stop)
