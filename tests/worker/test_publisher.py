@@ -3,6 +3,9 @@ partition Kafka's default partitioner would have chosen for its key."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from aiokafka.partitioner import murmur2
 
@@ -61,3 +64,26 @@ async def test_full_batches_are_sent_and_a_big_record_goes_alone(broker, unique_
     assert len(batches) >= 3 and [7] in batches  # three 300-byte records a batch; 4 KB alone
     landed = await read_topic(broker.bootstrap_servers, topics.output)
     assert [len(value) for _, _, value in landed] == [300] * 7 + [4096]
+
+
+async def test_a_steps_batch_goes_at_once_whatever_the_linger(broker, unique_topic) -> None:
+    """A step's output is complete when handed over: its batches are closed, so aiokafka
+    sends them with the next request instead of holding them for ``linger_ms`` (here 2 s,
+    against acknowledgements in milliseconds)."""
+    topics = TopicsConfig(output=unique_topic("recs"), dead_letter=unique_topic("dlq"))
+    broker.create_topics({topics.output: PARTITIONS, topics.dead_letter: 1})
+    kafka = KafkaConfig(bootstrap_servers=broker.bootstrap_servers, producer_linger_ms=2_000)
+    publisher = Publisher(kafka, topics, lambda exc: None)
+    await publisher.start()
+    try:
+        await publisher.publish([(b"warm", b"up")], lambda done: None)  # metadata, connection
+        assert await publisher.flush(30)
+        acked = asyncio.Event()
+        started = time.monotonic()
+        await publisher.publish(
+            [(f"u{n}".encode(), b"v") for n in range(20)], lambda done: acked.set()
+        )
+        await asyncio.wait_for(acked.wait(), 10)
+        assert time.monotonic() - started < 1.0
+    finally:
+        await publisher.stop()
