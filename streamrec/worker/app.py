@@ -6,8 +6,7 @@ Three loops share one event loop:
   to the ``Intake`` (track offsets, decode, dead-letter, submit to the batcher);
 - **serve** (``ServingPipeline.run``): batches through prepare (history append), the step
   on the engine thread, and publish, overlapped across consecutive batches;
-- **commit** (``Checkpoint.commit_loop``): commit what the ``OffsetTracker`` says is
-  committable.
+- **commit** (``Checkpoint.commit_loop``): commit what the ``OffsetTracker`` says is done.
 
 An offset is *done* only when its history append is durable and its recommendation or
 dead letter is acknowledged by the broker; ``Checkpoint`` holds the commit and hand-over
@@ -19,9 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
-import sys
 import time
 from collections.abc import Set
 from dataclasses import dataclass
@@ -34,6 +31,7 @@ from streamrec.cache.history_store import HistoryStore
 from streamrec.errors import StreamrecError
 from streamrec.pipeline.engine import Engine, EngineConfig
 from streamrec.pipeline.micro_batcher import MicroBatcher
+from streamrec.worker import interpreter
 from streamrec.worker.checkpoint import Checkpoint
 from streamrec.worker.config import WorkerConfig
 from streamrec.worker.consumer import TP, KafkaInput
@@ -58,19 +56,6 @@ from streamrec.worker.serving_stack import (
 log = logging.getLogger(__name__)
 
 _FETCH_TIMEOUT_MS: Final = 100
-# The engine thread drops the GIL in CUDA waits and graph replays; taking it back waits for
-# the loop to yield it, up to the switch interval (5 ms by default): 0.5 ms bounds that.
-GIL_SWITCH_INTERVAL_S: Final = 0.0005
-
-
-def freeze_heap() -> None:
-    """Collect once, then put every object alive (torch, the model, the caches' tables, a
-    preloaded store) into the collector's permanent generation. A full collection
-    traversed those ~200,000 objects every time: a 100 ms stop of the whole process, loop
-    and engine thread, on the CPU machine, every few hundred thousand allocations while
-    serving. What is allocated later is still collected."""
-    gc.collect()
-    gc.freeze()
 
 
 @dataclass(frozen=True)
@@ -101,9 +86,6 @@ class App:
         on_published: PublishedHook | None = None,
         freeze_heap: bool = False,
     ) -> None:
-        """``freeze_heap``: the process is this worker's alone (``streamrec run``): once
-        started, move everything allocated so far out of the garbage collector's reach
-        (``freeze_heap()``)."""
         self.config = config
         self._freeze_heap = freeze_heap
         self.metrics = WorkerMetrics()
@@ -138,7 +120,7 @@ class App:
 
     async def run(self) -> int:
         """Serve until ``stop()`` (or a fatal error); returns the process exit status."""
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: this is its root
+        interpreter.set_switch_interval()  # process-wide: this is its root
         await self.http.start()
         try:
             checkpoint, scoped = await self._prepare()
@@ -147,7 +129,7 @@ class App:
             scoped.bind(await self.input.cluster_id())
             await self.publisher.start()
             if self._freeze_heap:
-                freeze_heap()
+                interpreter.freeze_heap()
             assert self.pipeline is not None
             tasks = [
                 asyncio.create_task(self._fetch_loop(), name="streamrec-fetch"),
