@@ -71,6 +71,7 @@ from bench.worker_side import (
     FleetMember,
     LocalWorker,
     WorkerSide,
+    gc_summary,
     loaded_model,
     loop_profile,
     run_loop,
@@ -209,7 +210,8 @@ class Bench:
             row["producer_ms"] = {
                 k: round(v, 2) for k, v in producer.items() if k.startswith("append_")
             }
-        row |= split_percentiles(self.side.stages(a["mono"], b["mono"]))
+        stages = self.side.stages(a["mono"], b["mono"])
+        row |= split_percentiles(stages) | gc_summary(stages)
         e2p = self.book.latencies_ms(acks)
         if e2p:
             row |= {"e2p_events": len(e2p), "e2p_p50_ms": _pct(e2p, 50)}

@@ -17,6 +17,7 @@ one they measure.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import multiprocessing as mp
 import os
@@ -178,6 +179,37 @@ class FetchProbe:
         return np.concatenate(parts) if parts else np.zeros(0)
 
 
+class GcPauses:
+    """Every full (generation-2) collection of this process: when it began (monotonic s)
+    and how long the whole process stood still for it (ms)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float]] = []
+        self._began = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._began = time.monotonic()
+        else:
+            self.pauses.append((self._began, (time.monotonic() - self._began) * 1000.0))
+
+    def durations(self, start: float, end: float) -> np.ndarray:
+        return np.array([ms for began, ms in self.pauses if start <= began < end])
+
+
+def gc_summary(stages: dict[str, np.ndarray]) -> Row:
+    """How many full collections every worker process ran in the phase, and the longest."""
+    full = stages.get("gc_full")
+    if full is None:
+        return {}
+    return {
+        "gc_full": {"count": len(full), "max_ms": round(float(full.max()), 1) if len(full) else 0.0}
+    }
+
+
 class WorkerSide(Protocol):
     """What the phases ask of the worker(s) they measure."""
 
@@ -221,6 +253,7 @@ class LocalWorker:
         self.app, self.task, self.acks = app, task, acks
         self.loop_profiler = LoopProfiler()
         self.fetch_probe = FetchProbe(app)
+        self.gc_pauses = GcPauses()
 
     def completed(self) -> int:
         return self.app.tracker.stats().completed  # not app.stats(): polled every few ms
@@ -243,7 +276,11 @@ class LocalWorker:
 
     def stages(self, start: float, end: float) -> dict[str, np.ndarray]:
         stages = latency_stages(self.app, start, end)
-        return stages | {"transit": self.fetch_probe.ages(start, end)} if stages else {}
+        if not stages:
+            return {}
+        stages["transit"] = self.fetch_probe.ages(start, end)
+        stages["gc_full"] = self.gc_pauses.durations(start, end)
+        return stages
 
     def check_alive(self) -> None:
         if self.task.done():
@@ -408,7 +445,11 @@ class Fleet:
 
     def stages(self, start: float, end: float) -> dict[str, np.ndarray]:
         parts = [p for p in self._ask("stages", start, end) if p]
-        return {n: np.concatenate([p[n] for p in parts]) for n in STAGES} if parts else {}
+        return (
+            {n: np.concatenate([p[n] for p in parts]) for n in (*STAGES, "gc_full")}
+            if parts
+            else {}
+        )
 
     def start_loop_profile(self) -> None:
         self._ask("loop_start")
