@@ -42,6 +42,10 @@ def test_worker_bench_runs_end_to_end_on_the_dev_broker(tmp_path) -> None:
     assert 0 < latency["worker_p50_ms"] <= latency["worker_p99_ms"]
     assert latency["complete"] is True and isinstance(latency["sustained"], bool)
     assert latency["lag_at_end"] >= 0
+    # the split reaches back to the producer: its lag, and record timestamp -> fetched
+    assert 0 <= latency["producer_ms"]["append_lag_p50_ms"] <= latency["e2p_p50_ms"]
+    assert 0 < latency["split_ms"]["transit_p50_ms"] < latency["e2p_max_ms"]
+    assert latency["gc_full"]["count"] >= 0
     assert document["meta"]["kv_blocks"] > 0 and document["meta"]["device"] == "cpu"
 
 
@@ -63,6 +67,7 @@ def test_worker_bench_runs_two_worker_processes_in_one_group(tmp_path) -> None:
     assert throughput["completed"] == throughput["events"] == 300
     assert latency["completed"] == latency["events"] == 150 == latency["e2p_events"]
     assert latency["split_ms"]["step_p50_ms"] > 0  # the children's stage timings came back
+    assert latency["split_ms"]["transit_p50_ms"] > 0 and "gc_full" in latency
 
 
 def test_loop_profile_needs_the_asyncio_loop(capsys: pytest.CaptureFixture[str]) -> None:
