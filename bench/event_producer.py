@@ -78,25 +78,29 @@ async def _send_job(
     """Send the job's events keyed by user: a backlog in per-partition batches, a schedule
     one record at a time."""
     keys = {int(u): f"u{u}".encode() for u in np.unique(job.users)}
-    part = {u: partition_of(k, partitions) for u, k in keys.items()}
+    sink = _Sink(producer, topic, keys, {u: partition_of(k, partitions) for u, k in keys.items()})
     send = _send_paced if job.ts_ms is not None else _send_backlog
-    return await send(producer, topic, keys, part, job, items)
+    return await send(sink, job, items)
+
+
+@dataclass(frozen=True)
+class _Sink:
+    """Where a job's events go: the producer, the topic, each user's key and partition."""
+
+    producer: Any
+    topic: str
+    keys: dict[int, bytes]
+    part: dict[int, int]
 
 
 def _event(user: int, item: int, ts_ms: int) -> bytes:
     return encode_event(PlaybackEvent(f"u{user}", f"i{item}", ts_ms, _PLAYED_MS, _DURATION_MS))
 
 
-async def _send_backlog(
-    producer: Any,
-    topic: str,
-    keys: dict[int, bytes],
-    part: dict[int, int],
-    job: Job,
-    items: IntArray,
-) -> dict[str, float]:
+async def _send_backlog(sink: _Sink, job: Job, items: IntArray) -> dict[str, float]:
     """Per-partition batches (aiokafka's batch API: one ``send`` per record costs ~25 µs in
     Python and capped this producer near 35k/s), stamped at send."""
+    producer, topic, keys, part = sink.producer, sink.topic, sink.keys, sink.part
     n, sent, acks = len(job.users), 0, []
     started = time.time()
     while sent < n:
@@ -120,20 +124,14 @@ async def _send_backlog(
     return {"events": n, "events_per_s": n / max(sent_at - started, 1e-9), "max_lag_ms": 0.0}
 
 
-async def _send_paced(
-    producer: Any,
-    topic: str,
-    keys: dict[int, bytes],
-    part: dict[int, int],
-    job: Job,
-    items: IntArray,
-) -> dict[str, float]:
+async def _send_paced(sink: _Sink, job: Job, items: IntArray) -> dict[str, float]:
     """Each event once the wall clock reaches its ``ts_ms``, one ``send`` per record as an
     application's producer sends: a record joins its partition's open batch, which goes
     after ``linger_ms``, and no partition waits for another. (Handing whole batches to
     ``send_batch`` instead stalled this loop whenever the partition's previous batch was
     still lingering: 6.8 ms of every event's p50 at 1,000/s on the CPU machine.)"""
     assert job.ts_ms is not None
+    producer, topic, keys, part = sink.producer, sink.topic, sink.keys, sink.part
     users, stamps = job.users.tolist(), job.ts_ms.tolist()
     n, sent, acks = len(users), 0, []
     lag_ms: list[float] = []  # per event: scheduled -> appended (the record's timestamp)
