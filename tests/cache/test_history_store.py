@@ -170,6 +170,6 @@ async def test_memory_store_holds_a_window_as_one_array_not_one_object_per_token
     await store.append(
         [HistoryEvent("user-0", TOPICS[0], 0, 10_000 + i, Token(i, 1, i)) for i in range(4_000)]
     )
-    assert visits() - before < 100
+    assert visits() - before < 1_000  # a deque of tuples: ~4,000 (one per token)
     history = (await store.get(["user-0"]))["user-0"]
     assert len(history) == 4_096 and history.items[-1] == 3_999
