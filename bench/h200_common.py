@@ -54,7 +54,8 @@ def pct(samples: list[float], q: float) -> float:
 
 
 def graphed(fn: Step) -> Step:
-    """CUDA-graph capture of ``fn`` (inputs fixed); replay cost is one launch."""
+    """CUDA-graph capture of ``fn`` (inputs fixed); replay cost is one launch, and each
+    replay returns the capture's static output."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -63,8 +64,13 @@ def graphed(fn: Step) -> Step:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):  # captured where it warmed up (AOTI runners)
-        fn()
-    return graph.replay
+        out = fn()
+
+    def replay() -> Any:
+        graph.replay()
+        return out
+
+    return replay
 
 
 def kernel_profile(step: Callable[[], Any], steps: int = 5, top: int = 12) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from bench.h200_common import graphed
 from bench.reference_config import HSTU_8L, SPEEDUP_HISTORY_LEN
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU, HSTULayer
@@ -57,30 +58,11 @@ def captured(
     (eager on the CPU, or if a capture fails)."""
     if device.type != "cuda":
         return [front, back]
-    calls: list[Callable[[], torch.Tensor]] = []
     try:
-        for fn in (front, back):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = fn()
-
-            def replay(
-                graph: torch.cuda.CUDAGraph = graph, out: torch.Tensor = out
-            ) -> torch.Tensor:
-                graph.replay()
-                return out
-
-            calls.append(replay)
+        return [graphed(front), graphed(back)]
     except Exception as exc:  # capture errors come in many types
         print(f"CUDA-graph capture failed, timing eagerly: {type(exc).__name__}: {exc}")
         return [front, back]
-    return calls
 
 
 def sync(device: torch.device) -> None:
