@@ -129,10 +129,13 @@ def per_position(rate: float, gamma: int) -> float:
 
 
 def _acceptance_from_movielens(k: int) -> float:
-    """The best draft's acceptance rate at ``k`` on MovieLens (or the nearest k)."""
+    """The best draft's acceptance rate at ``k`` on MovieLens (or the nearest k), over the
+    users held out of its on-policy training where the file has them."""
     try:
         rows = [r for r in json.loads(MOVIELENS_RESULTS.read_text())["rows"]
                 if r.get("acceptance") is not None]  # fmt: skip
+        if any(r.get("population") == "held_out" for r in rows):
+            rows = [r for r in rows if r.get("population") == "held_out"]
         nearest = min(abs(int(r["k"]) - k) for r in rows)
         return max(float(r["acceptance"]) for r in rows if abs(int(r["k"]) - k) == nearest)
     except (OSError, ValueError, KeyError) as exc:

@@ -79,6 +79,21 @@ class InteractionLog:
         )
         return train, test
 
+    def subset(self, users: np.ndarray) -> InteractionLog:
+        """The histories of ``users`` (indices, in the order given)."""
+        lens = self.lengths()[users]
+        index = np.concatenate(
+            [np.arange(self.offsets[u], self.offsets[u + 1]) for u in users.tolist()]
+            or [np.zeros(0, np.int64)]
+        )
+        return InteractionLog(
+            users=tuple(self.users[u] for u in users.tolist()),
+            offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+            items=self.items[index],
+            actions=self.actions[index],
+            ts_ms=self.ts_ms[index],
+        )
+
     def without_last(self) -> InteractionLog:
         """Each user's events but the last (users with ≥ 2 events): the validation log.
 

@@ -77,7 +77,7 @@ class GenerationEvalResult:
         return "\n".join(rows)
 
 
-def _gen_model(ckpt: Checkpoint) -> GenModel:
+def gen_model(ckpt: Checkpoint) -> GenModel:
     return GenModel(ckpt.model, ModelGeometry(ckpt.config, next(ckpt.model.parameters()).dtype))
 
 
@@ -168,13 +168,13 @@ def evaluate_generation(
         inputs = GenerationInputs(
             user_emb, tables, lens, torch.tensor(last_ts), torch.from_numpy(consumed)
         )
-        plain = Generator(_gen_model(target), cache.kv, cache.ts, gen_cfg)
+        plain = Generator(gen_model(target), cache.kv, cache.ts, gen_cfg)
         start = time.perf_counter()
         generated = plain.generate(inputs).items  # [B, k]
         seconds["target"] += time.perf_counter() - start
         _add(calls["target"], plain.stats)
         if draft is not None:
-            spec = Generator(_gen_model(target), cache.kv, cache.ts, gen_cfg, _gen_model(draft))
+            spec = Generator(gen_model(target), cache.kv, cache.ts, gen_cfg, gen_model(draft))
             context = DraftContext(spec.window)
             for b, h in enumerate(hists):
                 context.update(str(b), h, replace=True)

@@ -291,7 +291,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.draft_of is not None:
         from streamrec.offline.distillation import DraftConfig, train_draft
 
-        draft = DraftConfig(num_layers=args.draft_layers)
+        draft = DraftConfig(num_layers=args.draft_layers, rollout_k=args.rollout_k)
         result = train_draft(_training_data(args), args.draft_of, args.out, config, draft)
     else:
         result = train(_training_data(args), args.out, config)
@@ -367,6 +367,7 @@ def _build_demo(parser: argparse.ArgumentParser) -> None:
 
 
 def _build_train(parser: argparse.ArgumentParser) -> None:
+    from streamrec.offline.distillation import DraftConfig
     from streamrec.offline.training import TrainConfig
 
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="model directory")
@@ -386,6 +387,10 @@ def _build_train(parser: argparse.ArgumentParser) -> None:
         help="distill a draft of MODEL_DIR for speculative generation (same vocabulary)",
     )  # fmt: skip
     parser.add_argument("--draft-layers", type=int, default=1, help="layers of the draft")
+    parser.add_argument(
+        "--rollout-k", type=int, default=DraftConfig.rollout_k, metavar="K",
+        help="then train the draft on the target's own K-item continuations (0: data only)",
+    )  # fmt: skip
     _add_data_flags(parser)
     parser.set_defaults(handler=_on_device(_train))
 

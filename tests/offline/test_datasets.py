@@ -42,6 +42,18 @@ def test_leave_last_out_splits_each_user() -> None:
     assert test.items.tolist() == [log.items[log.offsets[u + 1] - 1] for u in range(5)]
 
 
+def test_subset_keeps_the_chosen_users_histories_in_the_order_given() -> None:
+    log = synthetic_log(SyntheticSpec(num_users=5, num_items=30, events_per_user=4))
+    part = log.subset(np.array([3, 1]))
+    assert part.users == (log.users[3], log.users[1])
+    assert part.offsets.tolist() == [0, 4, 8]
+    for mine, theirs in ((0, 3), (1, 1)):
+        span, src = part.user_slice(mine), log.user_slice(theirs)
+        assert part.items[span].tolist() == log.items[src].tolist()
+        assert part.ts_ms[span].tolist() == log.ts_ms[src].tolist()
+    assert log.subset(np.array([], np.int64)).num_events == 0
+
+
 def test_synthetic_is_deterministic_and_sequential() -> None:
     spec = SyntheticSpec(num_users=50, num_items=100, chain_len=10, seed=1)
     a, b = synthetic_log(spec), synthetic_log(spec)

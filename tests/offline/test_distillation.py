@@ -66,7 +66,7 @@ def test_distilled_draft_agrees_with_its_target(target_dir: Path, tmp_path: Path
     assert draft.meta["draft_of"]["model_version"] == load_checkpoint(target_dir).version
     untrained = train_draft(
         LOG, target_dir, tmp_path / "raw", TrainConfig(**{**cfg.__dict__, "lr": 1e-9}),
-        DraftConfig(init_embeddings=False, init_layers=False), progress=None,
+        DraftConfig(init_embeddings=False, init_layers=False, rollout_k=0), progress=None,
     )  # fmt: skip
     trained_rate = top1_agreement(target_dir, result.model_dir)
     raw_rate = top1_agreement(target_dir, untrained.model_dir)
@@ -77,7 +77,7 @@ def test_distilled_draft_agrees_with_its_target(target_dir: Path, tmp_path: Path
 def test_a_draft_starts_as_the_target_cut_short(target_dir: Path, tmp_path: Path) -> None:
     cfg = TrainConfig(**{**FAST.__dict__, "epochs": 1, "lr": 1e-12, "weight_decay": 0.0})
     out = train_draft(LOG, target_dir, tmp_path / "d", cfg, DraftConfig(num_layers=2,
-                      max_seq_len=40), progress=None).model_dir  # fmt: skip
+                      max_seq_len=40, rollout_k=0), progress=None).model_dir  # fmt: skip
     draft, target = load_checkpoint(out).model, load_checkpoint(target_dir).model
     for mine, theirs in zip(draft.layers, target.layers[:2], strict=True):
         torch.testing.assert_close(mine.uvqk.weight, theirs.uvqk.weight, atol=1e-6, rtol=0)
@@ -109,9 +109,11 @@ def test_a_draft_of_another_model_is_refused(target_dir: Path, tmp_path: Path) -
 def test_cli_train_draft_of(target_dir: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "cli-draft"
     code = main(["train", "--synthetic", "--draft-of", str(target_dir), "--draft-layers", "2",
-                 "--epochs", "1", "--out", str(out), "--max-seq-len", "32"])  # fmt: skip
+                 "--epochs", "1", "--out", str(out), "--max-seq-len", "32",
+                 "--rollout-k", "0"])  # fmt: skip
     assert code == 0 and "wrote" in capsys.readouterr().out
     assert load_draft(out, load_checkpoint(target_dir)).config.num_layers == 2
+    assert load_checkpoint(out).meta["training"]["on_policy"] == {}  # --rollout-k 0: none
     assert main(["train", "--synthetic", "--draft-of", str(tmp_path / "none"), "--out",
                  str(out)]) == 1  # fmt: skip
     assert "does not exist" in capsys.readouterr().err
