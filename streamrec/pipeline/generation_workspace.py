@@ -115,6 +115,27 @@ class Workspace:
         self.d_kv, self.d_ts = geometry.scratch(rows if draft is not None else 0, span, device)
         self.d_pool = geometry.empty_pool(rows, device)
 
+    # Per-row buffers and the axis of their rows (``take`` copies exactly these).
+    ROW_AXES = (("emb", 0), ("tables", 0), ("lens", 0), ("last_ts", 0), ("consumed", 0),
+                ("real", 0), ("gen", 0), ("gen_scores", 0), ("m", 0), ("t_kv", 2), ("t_ts", 0),
+                ("window_tokens", 0), ("window_lens", 0), ("draft", 0), ("d_kv", 2),
+                ("d_ts", 0))  # fmt: skip
+
+    def take(self, src: Workspace, rows: torch.Tensor) -> None:
+        """Become ``src``'s rows ``rows`` [n] (n <= self.rows) mid-generation; the rows
+        after them are padding that has finished (no cached keys, nothing to emit)."""
+        n = rows.numel()
+        for name, axis in self.ROW_AXES:
+            dst, whole = getattr(self, name), getattr(src, name)
+            if dst.numel() == 0:  # the draft's buffers without a draft
+                continue
+            dst.fill_(-1 if name == "consumed" else 0)
+            dst.narrow(axis, 0, n).copy_(whole.index_select(axis, rows))
+        self.m[n:] = self.k
+        self.open_width = src.open_width
+        self.proposed.zero_()
+        self.accepted.zero_()
+
     def live(self) -> torch.Tensor:
         """Rows still generating: [R] bool."""
         return self.m < self.k

@@ -61,6 +61,7 @@ class GenerationStats:
     draft_calls: int = 0
     proposed: int = 0  # draft items proposed to rows still generating
     accepted: int = 0  # of those, kept by the target
+    compactions: int = 0  # live rows moved into a smaller workspace (Generator._compact)
 
     @property
     def acceptance_rate(self) -> float:
@@ -163,7 +164,7 @@ class Generator:
     def _generate(self, inputs: GenerationInputs) -> Generated:
         users = inputs.user_emb.shape[0]
         rows = _bucket(users) if self.capture else users
-        ws = self._workspace(rows, inputs)
+        ws = self._inputs_workspace(rows, inputs)
         self._load(ws, inputs, users)
         self._run("first", ws, self._first)
         self.stats.target_calls += 1
@@ -182,12 +183,21 @@ class Generator:
             scores=ws.gen_scores[:users, :k].to("cpu", copy=True).numpy(),
         )
 
-    def _speculate(self, ws: Workspace) -> None:
-        ws.proposed.zero_()
-        ws.accepted.zero_()
+    def _speculate(self, home: Workspace) -> None:
+        """Rounds until every row has k items. Greedy batches move their live rows into a
+        smaller workspace once they fit in half of it (``_compact``): a batch runs as many
+        rounds as its slowest row, and the rows that finished early would otherwise cost
+        every later round as much as the live ones."""
+        home.proposed.zero_()
+        home.accepted.zero_()
+        ws, index = home, None  # index: the home row of each of ws's rows (None: the same)
         for round_no in range(self.config.k - 1):  # every round emits >= 1 item per row
-            if round_no and not bool(ws.live().any()):
-                break
+            if round_no:
+                live = int(ws.live().sum())  # the round's one host sync
+                if not live:
+                    break
+                if self.config.greedy and _bucket(live) <= ws.rows // 2:
+                    ws, index = self._compact(home, ws, index)
             if round_no == 0:
                 self._run("open", ws, lambda w: self._round(w, opening=True))
             else:
@@ -195,16 +205,42 @@ class Generator:
             self.stats.rounds += 1
             self.stats.target_calls += 1
             self.stats.draft_calls += self.config.gamma
+        self._settle(home, ws, index)
+
+    def _compact(
+        self, home: Workspace, ws: Workspace, index: torch.Tensor | None
+    ) -> tuple[Workspace, torch.Tensor]:
+        """Move ws's live rows into the workspace of the smallest bucket that holds them."""
+        self._settle(home, ws, index)
+        rows = torch.nonzero(ws.live()).squeeze(1)  # [n]
+        consumed = ws.consumed.shape[1] if self.config.exclude_consumed else 0  # as the key
+        small = self._workspace(_bucket(rows.numel()), ws.tables.shape[1], consumed)
+        small.take(ws, rows)
+        self.stats.compactions += 1
+        return small, rows if index is None else index[rows]
+
+    def _settle(self, home: Workspace, ws: Workspace, index: torch.Tensor | None) -> None:
+        """Count ws's proposals, and copy its rows' items back to their home rows."""
         self.stats.proposed += int(ws.proposed)
         self.stats.accepted += int(ws.accepted)
+        ws.proposed.zero_()
+        ws.accepted.zero_()
+        if index is not None:
+            n = index.numel()
+            home.gen[index] = ws.gen[:n]
+            home.gen_scores[index] = ws.gen_scores[:n]
+            home.m[index] = ws.m[:n]
 
     # ------------------------------------------------------------------ buffers
 
-    def _workspace(self, rows: int, inputs: GenerationInputs) -> Workspace:
+    def _inputs_workspace(self, rows: int, inputs: GenerationInputs) -> Workspace:
         consumed = 0
         if self.config.exclude_consumed:
             consumed = max(self.max_consumed, inputs.consumed.shape[1])
         blocks = max(self.max_blocks, inputs.block_tables.shape[1])
+        return self._workspace(rows, blocks, consumed)
+
+    def _workspace(self, rows: int, blocks: int, consumed: int) -> Workspace:
         key = (rows, blocks, consumed)
         ws = self._spaces.get(key)
         if ws is None:

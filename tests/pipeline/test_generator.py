@@ -82,6 +82,25 @@ def test_a_draft_that_agrees_saves_target_calls() -> None:
     assert spec.stats.rounds == 2 and spec.stats.acceptance_rate == 1.0
 
 
+def test_rows_that_finish_early_leave_the_batch_and_the_output_is_unchanged() -> None:
+    """A draft equal to the target is always right on users whose history fits its window
+    (they finish in two rounds) and often wrong on longer ones: once only those are left
+    the generator moves them into a smaller workspace, and greedy output stays the
+    target's own, item for item and score for score."""
+    target = random_hstu(8, num_layers=2, max_seq_len=48)
+    users = CachedUsers(target, [4, 6, 2, 44, 3, 5, 2, 40], seed=8)
+    cfg = GenerationConfig(k=11, gamma=4)
+    plain = _generator(target, users, cfg).generate(users.inputs())
+    spec = _generator(target, users, cfg, draft=target)
+    got = spec.generate(users.inputs(spec.window))
+    np.testing.assert_array_equal(got.items, plain.items)
+    np.testing.assert_allclose(got.scores, plain.scores, rtol=0, atol=1e-5)
+    assert spec.stats.compactions >= 1 and spec.stats.rounds > 2
+    assert 0 < spec.stats.accepted < spec.stats.proposed  # the long rows were refused some
+    again = spec.generate(users.inputs(spec.window))  # workspaces reused: same answer
+    np.testing.assert_array_equal(again.items, plain.items)
+
+
 def test_exclusion_of_consumed_items_is_optional() -> None:
     model = random_hstu(6, num_items=24)
     users = CachedUsers(model, [20, 20], seed=6, consumed=20)
