@@ -14,6 +14,9 @@ seeded Bernoulli(a) draw for (user, p) says so, a chosen so that the expected ac
 rate (kept / proposed) is the wanted one. The costs are real, the
 acceptance is an input: by default the rate measured on MovieLens with trained models
 (bench/results/movielens_speculative.json, from bench/movielens_generation.py on the CPU).
+Rows "forced-uncompacted" run the same forced draws with the generator's compaction off
+(``Generator(compact=False)``: rows that finished early stay in the batch to the end), so
+one run shows what compaction saves.
 
 H200 (~1-2 min): ``python3 -m bench.speculative_bench --out $OUT``; CPU smoke test:
 ``.venv/bin/python -m bench.speculative_bench --small``. Writes
@@ -62,6 +65,8 @@ class ForcedAcceptance(Generator):
 
     The draft runs in full (its cost is measured); only its chosen item is replaced by the
     target's greedy item at that position, taken from a target-only run of the same batch.
+    The reference rows follow the batch's rows into a smaller workspace (``_compact``)
+    through one fixed buffer per row count, which a captured round reads in place.
     """
 
     def set_reference(self, items: torch.Tensor, alpha: float, seed: int) -> None:
@@ -72,14 +77,40 @@ class ForcedAcceptance(Generator):
         self._ref[:, :k] = items
         gen = torch.Generator().manual_seed(seed)
         self._use = (torch.rand(rows, cap, generator=gen) < alpha).to(self.device)
+        self._by_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _rows_of(self, rows: int, home: torch.Tensor) -> None:
+        """Point the buffers of ``rows``-row workspaces at the reference rows ``home``."""
+        if rows not in self._by_rows:
+            self._by_rows[rows] = (torch.full((rows, self._ref.shape[1]), -1, dtype=torch.int64,
+                                              device=self.device),
+                                   torch.zeros(rows, self._ref.shape[1], dtype=torch.bool,
+                                               device=self.device))  # fmt: skip
+        ref, use = self._by_rows[rows]
+        ref.fill_(-1)
+        use.zero_()
+        ref[: home.numel()] = self._ref[home]
+        use[: home.numel()] = self._use[home]
+
+    def _load(self, ws: Workspace, inputs: GenerationInputs, users: int) -> None:
+        super()._load(ws, inputs, users)
+        self._rows_of(ws.rows, torch.arange(min(users, self._ref.shape[0]), device=self.device))
+
+    def _compact(
+        self, home: Workspace, ws: Workspace, index: torch.Tensor | None
+    ) -> tuple[Workspace, torch.Tensor]:
+        small, index = super()._compact(home, ws, index)
+        self._rows_of(small.rows, index)
+        return small, index
 
     def _propose(
         self, ws: Workspace, j: int, query: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         item, ids, probs = super()._propose(ws, j, query)
-        at = (ws.m + j).clamp(max=self._ref.shape[1] - 1).unsqueeze(1)  # [R, 1]
-        ref = self._ref[: ws.rows].gather(1, at).squeeze(1)
-        use = self._use[: ws.rows].gather(1, at).squeeze(1) & (ref >= 0)
+        ref_rows, use_rows = self._by_rows[ws.rows]
+        at = (ws.m + j).clamp(max=ref_rows.shape[1] - 1).unsqueeze(1)  # [R, 1]
+        ref = ref_rows.gather(1, at).squeeze(1)
+        use = use_rows.gather(1, at).squeeze(1) & (ref >= 0)
         return torch.where(use, ref, item), ids, probs
 
 
@@ -144,9 +175,10 @@ def _acceptance_from_movielens(k: int) -> float:
 
 
 def _time(gen: Generator, inputs: GenerationInputs, iters: int, sync: bool) -> tuple[float, ...]:
-    """(p50 ms of ``generate``, rounds per call, acceptance) after one warm-up call."""
+    """(p50 ms of ``generate``, rounds per call, acceptance, compactions per call) after one
+    warm-up call."""
     gen.generate(inputs)  # captures the graphs
-    before = (gen.stats.rounds, gen.stats.proposed, gen.stats.accepted)
+    before = (gen.stats.rounds, gen.stats.proposed, gen.stats.accepted, gen.stats.compactions)
     times = []
     for _ in range(iters):
         if sync:
@@ -157,7 +189,9 @@ def _time(gen: Generator, inputs: GenerationInputs, iters: int, sync: bool) -> t
     rounds = (gen.stats.rounds - before[0]) / iters
     proposed = gen.stats.proposed - before[1]
     accepted = gen.stats.accepted - before[2]
-    return statistics.median(times), rounds, accepted / proposed if proposed else 0.0
+    compactions = (gen.stats.compactions - before[3]) / iters
+    acceptance = accepted / proposed if proposed else 0.0
+    return statistics.median(times), rounds, acceptance, compactions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"k": k, "batch": batch, "mode": "error"})
             if device == "cuda":
                 torch.cuda.empty_cache()  # the finished generators' graph pools
-            print_table(rows[-3:])
+            print_table(rows[-4:])
     meta = {
         "workload": w.name, "target": t_cfg.to_dict(), "draft": d_cfg.to_dict(),
         "gamma": args.gamma, "acceptance_forced": rates,
@@ -245,12 +279,13 @@ def _one(
     ar = Generator(GenModel(target, geo_t), cache.kv, cache.ts, cfg, capture=graphs,
                    max_rows=batch)  # fmt: skip
     reference = ar.generate(inputs)
-    ar_ms, _, _ = _time(ar, inputs, iters, device == "cuda")
+    ar_ms = _time(ar, inputs, iters, device == "cuda")[0]
     out: list[dict[str, object]] = []
-    for mode in ("raw", "forced"):
-        cls = ForcedAcceptance if mode == "forced" else Generator
+    for mode in ("raw", "forced", "forced-uncompacted"):
+        cls = ForcedAcceptance if mode.startswith("forced") else Generator
         spec = cls(GenModel(target, geo_t), cache.kv, cache.ts, cfg, GenModel(draft, geo_d),
-                   capture=graphs, max_rows=batch)  # fmt: skip
+                   capture=graphs, max_rows=batch,
+                   compact=mode != "forced-uncompacted")  # fmt: skip
         if isinstance(spec, ForcedAcceptance):
             spec.set_reference(torch.from_numpy(reference.items).to(device), alpha, seed=batch)
         context = DraftContext(spec.window)
@@ -271,7 +306,8 @@ def _one(
                 print(f"kernels {name} k={cfg.k} batch {batch} (us per generation, calls):")
                 for e in top:
                     print(f"  {e['us']:9.1f} {e['calls']:4d}  {e['kernel']}")
-        spec_ms, rounds, accepted = _time(spec, spec_inputs, iters, device == "cuda")
+        spec_ms, rounds, accepted, compactions = _time(spec, spec_inputs, iters,
+                                                       device == "cuda")  # fmt: skip
         tokens = batch * cfg.k
         out.append({
             "k": cfg.k, "batch": batch, "mode": mode, "acceptance": round(accepted, 3),
@@ -280,6 +316,7 @@ def _one(
             "ar_tokens_s": round(tokens / ar_ms * 1000.0, 1),
             "spec_tokens_s": round(tokens / spec_ms * 1000.0, 1),
             "ar_target_calls": cfg.k, "spec_rounds": rounds, "identical": identical,
+            "compactions": compactions,
             "ar_ms_per_step": round(ar_ms / cfg.k, 3),
             "spec_ms_per_round": round(spec_ms / max(rounds + 1.0, 1.0), 3),
         })  # fmt: skip

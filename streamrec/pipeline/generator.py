@@ -106,6 +106,7 @@ class Generator:
         max_rows: int = ROW_BUCKETS[-1],
         max_blocks: int = 1,
         max_consumed: int = 1,
+        compact: bool = True,
     ) -> None:
         if config.k < 1:
             raise ConfigError(f"k = {config.k}: a Generator needs k >= 1")
@@ -116,6 +117,7 @@ class Generator:
         # Narrower block tables and exclusion lists are padded to these widths, so one
         # workspace (and one set of graphs) per row count serves every batch.
         self.max_blocks, self.max_consumed = max_blocks, max_consumed
+        self.compact = compact  # greedy speculative rows that finish leave the batch
         t_cfg = target.geometry.config
         self.window = 0
         if draft is not None:
@@ -196,7 +198,7 @@ class Generator:
                 live = int(ws.live().sum())  # the round's one host sync
                 if not live:
                     break
-                if self.config.greedy and _bucket(live) <= ws.rows // 2:
+                if self.compact and self.config.greedy and _bucket(live) <= ws.rows // 2:
                     ws, index = self._compact(home, ws, index)
             if round_no == 0:
                 self._run("open", ws, lambda w: self._round(w, opening=True))

@@ -35,9 +35,13 @@ def test_rows_are_identical_and_forced_acceptance_is_near_the_wanted_rate() -> N
     cfg = GenerationConfig(k=12, gamma=4)
     rows = _one(target, draft, geo_t, geo_d, cache, user_emb, histories, cfg, 8,
                 per_position(0.6, 4), False, 1, "cpu")  # fmt: skip
-    raw, forced = rows
+    raw, forced, uncompacted = rows
     assert raw["mode"] == "raw" and forced["mode"] == "forced"
+    assert uncompacted["mode"] == "forced-uncompacted" and uncompacted["compactions"] == 0
+    # the same draws per (row, position): compaction changes no row's accepted prefix
+    assert forced["acceptance"] == uncompacted["acceptance"] and uncompacted["identical"] == 1.0
     assert raw["identical"] == 1.0 and forced["identical"] == 1.0
     assert raw["acceptance"] < 0.1  # random weights: the draft is almost never right
-    assert 0.45 < forced["acceptance"] < 0.75
+    assert 0.45 < forced["acceptance"] < 0.75  # the reference rows follow a compaction
+    assert forced["compactions"] >= 1 and raw["compactions"] == 0
     assert forced["spec_rounds"] < raw["spec_rounds"] <= cfg.k - 1
