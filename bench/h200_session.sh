@@ -216,7 +216,7 @@ for stage in "$@"; do
         | grep -E "rel err|on NVIDIA|fp8 model|passed|failed|Error" | tail -40
       timeout 300 python3 -m bench.fp8_bench 2>&1 | tee "$OUT/fp8_bench.log" | tail -24 ;;
     speculative)  # issue 19: next-k generation, speculative vs target-only, 8L reference
-      python3 -m bench.speculative_bench --out "$OUT" 2>&1 | grep -v "^W1" | tail -40 ;;
+      python3 -m bench.speculative_bench --draft-layers 2 --out "$OUT" 2>&1 | grep -v "^W1" | tail -40 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"

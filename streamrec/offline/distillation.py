@@ -56,7 +56,7 @@ class DraftConfig:
     # the target's own greedy continuations of rollout_k items after cut points every
     # rollout_stride events (at most rollout_contexts of them), rollout_epochs passes at
     # rollout_lr. The contexts the draft serves in are these, not the data's; on
-    # MovieLens-small it raised the acceptance of users it never saw from 0.28 to 0.5
+    # MovieLens-small it raised the acceptance on users it never saw from 0.28 to 0.50
     # (BENCHMARKS.md, issue 19). rollout_k = 0 turns the phase off.
     rollout_k: int = 20
     rollout_stride: int = 2
