@@ -44,8 +44,8 @@ DRAFT = TrainConfig(epochs=4, dropout=0.1)
 ON_POLICY = DraftConfig(num_layers=2, max_seq_len=75, distill_weight=0.9)
 DATA_ONLY = replace(ON_POLICY, rollout_k=0)
 COLUMNS = ("draft", "population", "users", "k", "acceptance", "greedy_identical",
-           "target_calls_per_batch", "ranked_hr10", "retrieval_hr10", "first_generated_hr1",
-           "generated_hr10")  # fmt: skip
+           "target_calls_per_batch", "row_rounds_per_batch", "ranked_hr10", "retrieval_hr10",
+           "first_generated_hr1", "generated_hr10")  # fmt: skip
 
 
 def held_out(log: InteractionLog, every: int) -> tuple[np.ndarray, np.ndarray]:

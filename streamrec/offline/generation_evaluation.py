@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -55,6 +55,8 @@ class GenerationEvalResult:
     acceptance_rate: float | None  # None without a draft
     greedy_identical: float | None  # share of users whose k items agree exactly
     target_calls_per_batch: dict[str, float]
+    # rows the calls after the first ran over, per batch (``GenerationStats.row_rounds``)
+    row_rounds_per_batch: dict[str, float]
     seconds: dict[str, float]
     model_version: str
     draft_version: str | None
@@ -72,7 +74,8 @@ class GenerationEvalResult:
             rows.append(
                 f"draft {self.draft_version}: gamma={self.gamma} acceptance="
                 f"{self.acceptance_rate:.3f} greedy identical={self.greedy_identical:.3f} "
-                f"target calls per batch {self.target_calls_per_batch}"
+                f"target calls per batch {self.target_calls_per_batch} "
+                f"rows per batch {self.row_rounds_per_batch}"
             )
         return "\n".join(rows)
 
@@ -124,6 +127,7 @@ def evaluate_generation(
     num_candidates: int = 100,
     action: str = "like",
     batch_size: int = 64,
+    compact: bool = True,
     report: TextIO | None = sys.stdout,
 ) -> GenerationEvalResult:
     """HR@1/HR@10 of the ranked list and of the generated list; the draft's acceptance."""
@@ -174,7 +178,9 @@ def evaluate_generation(
         seconds["target"] += time.perf_counter() - start
         _add(calls["target"], plain.stats)
         if draft is not None:
-            spec = Generator(gen_model(target), cache.kv, cache.ts, gen_cfg, gen_model(draft))
+            spec = Generator(
+                gen_model(target), cache.kv, cache.ts, gen_cfg, gen_model(draft), compact=compact
+            )
             context = DraftContext(spec.window)
             for b, h in enumerate(hists):
                 context.update(str(b), h, replace=True)
@@ -207,6 +213,11 @@ def evaluate_generation(
             for name, stats in calls.items()
             if stats.users
         },
+        row_rounds_per_batch={
+            name: round(stats.row_rounds / max(1, -(-n // batch_size)), 1)
+            for name, stats in calls.items()
+            if stats.users
+        },
         seconds={name: round(s, 3) for name, s in seconds.items() if s},
         model_version=target.version,
         draft_version=None if draft is None else draft.version,
@@ -218,6 +229,5 @@ def evaluate_generation(
 
 
 def _add(total: GenerationStats, part: GenerationStats) -> None:
-    for name in ("users", "tokens", "rounds", "target_calls", "draft_calls", "proposed",
-                 "accepted"):  # fmt: skip
-        setattr(total, name, getattr(total, name) + getattr(part, name))
+    for f in fields(GenerationStats):
+        setattr(total, f.name, getattr(total, f.name) + getattr(part, f.name))

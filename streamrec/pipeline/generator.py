@@ -62,6 +62,9 @@ class GenerationStats:
     proposed: int = 0  # draft items proposed to rows still generating
     accepted: int = 0  # of those, kept by the target
     compactions: int = 0  # live rows moved into a smaller workspace (Generator._compact)
+    # Rows the rounds after the first item ran over (padding and finished rows included):
+    # a cost measure that compaction lowers and the count of rounds does not show.
+    row_rounds: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -177,6 +180,7 @@ class Generator:
                 self._run("step", ws, self._ar_step)
             self.stats.rounds += self.config.k - 1
             self.stats.target_calls += self.config.k - 1
+            self.stats.row_rounds += ws.rows * (self.config.k - 1)
         k = self.config.k
         self.stats.users += users
         self.stats.tokens += users * k
@@ -206,6 +210,7 @@ class Generator:
                 self._run("round", ws, lambda w: self._round(w, opening=False))
             self.stats.rounds += 1
             self.stats.target_calls += 1
+            self.stats.row_rounds += ws.rows
             self.stats.draft_calls += self.config.gamma
         self._settle(home, ws, index)
 

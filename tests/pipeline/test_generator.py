@@ -99,6 +99,13 @@ def test_rows_that_finish_early_leave_the_batch_and_the_output_is_unchanged() ->
     assert 0 < spec.stats.accepted < spec.stats.proposed  # the long rows were refused some
     again = spec.generate(users.inputs(spec.window))  # workspaces reused: same answer
     np.testing.assert_array_equal(again.items, plain.items)
+    whole = Generator(gen_model(target), users.cache.kv, users.cache.ts, cfg, gen_model(target),
+                      compact=False)  # fmt: skip
+    kept = whole.generate(users.inputs(whole.window))
+    np.testing.assert_array_equal(kept.items, plain.items)
+    assert whole.stats.compactions == 0 and whole.stats.rounds == spec.stats.rounds // 2
+    assert whole.stats.row_rounds == 8 * whole.stats.rounds  # every round over all 8 rows
+    assert spec.stats.row_rounds < 2 * whole.stats.row_rounds  # spec ran twice
 
 
 def test_exclusion_of_consumed_items_is_optional() -> None:
