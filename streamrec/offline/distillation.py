@@ -256,8 +256,8 @@ def _distill(
     if draft_cfg.rollout_k and rollout_window(model, draft_cfg.rollout_k) < 1:
         raise ConfigError(
             f"draft max_seq_len={shape.max_seq_len} leaves no history before "
-            f"rollout_k={draft_cfg.rollout_k} items (it needs > rollout_k + "
-            f"{GenerationConfig.gamma + 1})"
+            f"rollout_k={draft_cfg.rollout_k} items: it needs max_seq_len > "
+            f"{draft_cfg.rollout_k + GenerationConfig.gamma + 1} (or a smaller rollout_k)"
         )
     stats = fit(model, part, rows, cfg, loss_fn, progress)
     on_policy: dict[str, float] = {}
@@ -275,7 +275,10 @@ def _distill(
             "seconds": round(second.seconds, 2),
         }
         stats = replace(
-            stats, steps=stats.steps + second.steps, seconds=stats.seconds + second.seconds
+            stats,
+            steps=stats.steps + second.steps,
+            seconds=stats.seconds + second.seconds,
+            final_loss=second.final_loss,  # the phase the draft ends with
         )
     meta = {
         "model_name": f"{target_ckpt.model_name}-draft",

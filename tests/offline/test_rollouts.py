@@ -136,7 +136,7 @@ def test_bad_rollout_settings_are_named(target_dir: Path, tmp_path: Path) -> Non
         DraftConfig(rollout_stride=0)
     with pytest.raises(ConfigError, match="rollout_lr=0"):
         DraftConfig(rollout_lr=0)
-    with pytest.raises(ConfigError, match="rollout_k=30"):
+    with pytest.raises(ConfigError, match="rollout_k=30 items: it needs max_seq_len > 35"):
         train_draft(LOG, target_dir, tmp_path / "d", SHAPE, DraftConfig(rollout_k=30),
                     progress=None)  # fmt: skip
     with pytest.raises(ConfigError, match="stride=0"):
