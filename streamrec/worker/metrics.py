@@ -187,6 +187,16 @@ class WorkerMetrics:
             "Draft items the model kept in speculative generation",
             registry=r,
         )
+        self.generation_calls = Counter(
+            p + "generation_target_calls",
+            "Model calls of next-k generation (one per item, or one per speculative round)",
+            registry=r,
+        )
+        self.generation_compactions = Counter(
+            p + "generation_compactions",
+            "Speculative batches whose live rows moved into a smaller workspace",
+            registry=r,
+        )
         self.acceptance = Gauge(
             p + "speculative_acceptance_ratio",
             "Kept / proposed draft items since start (0 before the first proposal)",
@@ -387,6 +397,8 @@ class WorkerMetrics:
         self._sync(self.generated_items, None, stats.tokens)
         self._sync(self.draft_proposed, None, stats.proposed)
         self._sync(self.draft_accepted, None, stats.accepted)
+        self._sync(self.generation_calls, None, stats.target_calls)
+        self._sync(self.generation_compactions, None, stats.compactions)
         self.acceptance.set(stats.acceptance_rate)
 
     def _sync(self, family: Counter, tier: str | None, cumulative: float) -> None:

@@ -36,12 +36,16 @@ def test_cumulative_stats_become_counter_increments() -> None:
 
 def test_generation_stats_become_counters_and_a_ratio() -> None:
     metrics = WorkerMetrics()
-    metrics.sync_generation(GenerationStats(tokens=20, proposed=12, accepted=9))
-    metrics.sync_generation(GenerationStats(tokens=50, proposed=20, accepted=15))
+    metrics.sync_generation(GenerationStats(tokens=20, proposed=12, accepted=9, target_calls=4))
+    metrics.sync_generation(
+        GenerationStats(tokens=50, proposed=20, accepted=15, target_calls=9, compactions=2)
+    )
     assert metrics.sample("streamrec_generated_items_total") == 50.0
     assert metrics.sample("streamrec_speculative_proposed_total") == 20.0
     assert metrics.sample("streamrec_speculative_accepted_total") == 15.0
     assert metrics.sample("streamrec_speculative_acceptance_ratio") == 0.75
+    assert metrics.sample("streamrec_generation_target_calls_total") == 9.0
+    assert metrics.sample("streamrec_generation_compactions_total") == 2.0
 
 
 def pool_stats(evictions: int = 0) -> BlockPoolStats:
