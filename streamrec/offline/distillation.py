@@ -63,6 +63,10 @@ class DraftConfig:
     rollout_contexts: int = 100_000
     rollout_epochs: int = 4
     rollout_lr: float = 1e-3
+    # Items the target may not emit at a cut: its newest rollout_exclude_recent items
+    # (None: every item of its context, as the offline evaluation excludes). A draft for a
+    # worker that excludes scoring.exclude_recent items learns best with the same value.
+    rollout_exclude_recent: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -79,6 +83,11 @@ class DraftConfig:
         for name in ("rollout_stride", "rollout_contexts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"DraftConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.rollout_exclude_recent is not None and self.rollout_exclude_recent < 0:
+            raise ConfigError(
+                f"DraftConfig.rollout_exclude_recent={self.rollout_exclude_recent} must be "
+                ">= 0 or unset"
+            )
         if not self.rollout_lr > 0:
             raise ConfigError(f"DraftConfig.rollout_lr={self.rollout_lr} must be > 0")
         if not self.distill_temperature > 0:
@@ -159,7 +168,6 @@ def _fit_rollouts(
     greedy acceptance is exactly top-1 agreement under that mask."""
     started = time.monotonic()
     rng = np.random.default_rng(cfg.seed + 1)
-    window = rollout_window(draft, rollouts.k)
     first = draft.config.first_item_row
     device = torch.device(cfg.device)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -170,7 +178,7 @@ def _fit_rollouts(
     for epoch in range(draft_cfg.rollout_epochs):
         bar = ProgressBar(n_batches, f"on-policy {epoch + 1}/{draft_cfg.rollout_epochs}", progress)
         agree = positions = 0
-        for i, batch in enumerate(batches(rollouts, window, cfg.batch_size, rng)):
+        for i, batch in enumerate(batches(rollouts, cfg.batch_size, rng)):
             user, _ = draft.train_forward(
                 batch.items.to(device), batch.actions.to(device), batch.ts.to(device),
                 batch.valid.to(device), None,
@@ -264,7 +272,9 @@ def _distill(
     if draft_cfg.rollout_k and draft_cfg.rollout_epochs:
         history = part if rollout_log is None else rollout_log.leave_last_out()[0]
         rollouts = roll_out(
-            target_ckpt, history, k=draft_cfg.rollout_k, stride=draft_cfg.rollout_stride,
+            target_ckpt, history, k=draft_cfg.rollout_k,
+            window=rollout_window(model, draft_cfg.rollout_k),
+            exclude_recent=draft_cfg.rollout_exclude_recent, stride=draft_cfg.rollout_stride,
             limit=draft_cfg.rollout_contexts, seed=cfg.seed, progress=progress,
         )  # fmt: skip
         second = _fit_rollouts(model, rollouts, cfg, draft_cfg, progress)

@@ -32,16 +32,19 @@ from streamrec.pipeline.generator import GenerationInputs, Generator
 
 @dataclass(frozen=True)
 class Rollouts:
-    """``contexts[i]``: the history window ``[n_i, 3]`` (item row, action, ts_ms) the
-    target saw; ``items[i]``: the k item rows it generated after it, in order."""
+    """``windows[i]``: the last events ``[n_i, 3]`` (item row, action, ts_ms) before the
+    i-th cut, as many as the draft reads; ``excluded[i]``: the item rows the generator
+    excluded there; ``items[i]``: the k item rows the target generated after it."""
 
-    contexts: tuple[np.ndarray, ...]
+    windows: tuple[np.ndarray, ...]
+    excluded: tuple[np.ndarray, ...]
     items: np.ndarray  # [S, k] int64 item rows
+    last_ts: np.ndarray  # [S] int64: the newest event's timestamp before each cut
     action_id: int  # the action the generated items were fed back with
-    time_step_ms: int  # generated item j's timestamp: last ts + j * time_step_ms
+    time_step_ms: int  # generated item j's timestamp: last_ts + j * time_step_ms
 
     def __len__(self) -> int:
-        return len(self.contexts)
+        return len(self.windows)
 
     @property
     def k(self) -> int:
@@ -72,6 +75,8 @@ def roll_out(
     log: InteractionLog,
     *,
     k: int,
+    window: int,
+    exclude_recent: int | None = None,
     stride: int = 2,
     min_context: int = 5,
     limit: int = 100_000,
@@ -82,45 +87,64 @@ def roll_out(
 ) -> Rollouts:
     """The target's greedy k-item continuation after each cut point (``cut_points``).
 
-    A context is the last ``max_seq_len`` events before its cut (what the evaluation's
-    cache holds, ``generation_evaluation.cached_users``); every item of the context is
-    excluded, as the generator excludes a served user's consumed items.
+    The target sees the last ``max_seq_len`` events before the cut (what the evaluation's
+    cache holds, ``generation_evaluation.cached_users``) and never emits the newest
+    ``exclude_recent`` of their items (None: all of them, as the offline evaluation
+    excludes; a worker excludes its ``scoring.exclude_recent`` newest). Only the last
+    ``window`` events and the excluded items are kept, so the memory per rollout does not
+    grow with the target's context.
     """
-    if stride < 1 or min_context < 1 or limit < 1:
+    if stride < 1 or min_context < 1 or limit < 1 or window < 1:
         raise ConfigError(
-            f"rollouts: stride={stride}, min_context={min_context} and limit={limit} must be >= 1"
+            f"rollouts: stride={stride}, min_context={min_context}, limit={limit} and "
+            f"window={window} must be >= 1"
         )
+    if exclude_recent is not None and exclude_recent < 0:
+        raise ConfigError(f"rollouts: exclude_recent={exclude_recent} must be >= 0 or None")
     n = target.config.max_seq_len
     rows = target.vocab.lookup(log.items.tolist())
     users, cuts = cut_points(log.lengths(), stride, min_context, limit, seed)
-    contexts = []
-    for user, cut in zip(users.tolist(), cuts.tolist(), strict=True):
-        hi = int(log.offsets[user]) + cut
-        lo = hi - min(cut, n)
-        contexts.append(np.stack([rows[lo:hi], log.actions[lo:hi], log.ts_ms[lo:hi]], 1))
     gen_cfg = GenerationConfig(k=k, action=action)
-    bar = ProgressBar(-(-len(contexts) // batch_size), "rollouts", progress)
-    generated = []
-    for i, lo in enumerate(range(0, len(contexts), batch_size)):
-        generated.append(_generate(target, contexts[lo : lo + batch_size], gen_cfg))
+    windows: list[np.ndarray] = []
+    excluded: list[np.ndarray] = []
+    generated: list[np.ndarray] = []
+    ends = log.offsets[users] + cuts  # [S] one past each context's last event
+    starts = np.maximum(log.offsets[users], ends - n)  # [S]
+    spans = list(zip(starts.tolist(), ends.tolist(), strict=True))
+    keep = len(rows) if exclude_recent is None else exclude_recent  # newest items excluded
+    bar = ProgressBar(-(-len(spans) // batch_size), "rollouts", progress)
+    for i, lo in enumerate(range(0, len(spans), batch_size)):
+        contexts, bans = [], []
+        for start, end in spans[lo : lo + batch_size]:
+            ctx = np.stack([rows[start:end], log.actions[start:end], log.ts_ms[start:end]], 1)
+            contexts.append(ctx)
+            bans.append(ctx[max(0, len(ctx) - keep) :, 0])
+        generated.append(_generate(target, contexts, bans, gen_cfg))
+        windows.extend(c[-window:].copy() for c in contexts)
+        excluded.extend(b.copy() for b in bans)
         bar.update(i + 1)
     bar.close()
     return Rollouts(
-        contexts=tuple(contexts),
+        windows=tuple(windows),
+        excluded=tuple(excluded),
         items=np.concatenate(generated) if generated else np.zeros((0, k), np.int64),
+        last_ts=np.array([w[-1, 2] for w in windows], np.int64),
         action_id=gen_cfg.action_id,
         time_step_ms=gen_cfg.time_step_ms,
     )
 
 
 def _generate(
-    target: Checkpoint, contexts: list[np.ndarray], gen_cfg: GenerationConfig
+    target: Checkpoint,
+    contexts: list[np.ndarray],
+    bans: list[np.ndarray],
+    gen_cfg: GenerationConfig,
 ) -> np.ndarray:
     cache, user_emb = cached_users(target.model, contexts)
     tables, lens = cache.batch_tables([str(b) for b in range(len(contexts))])
-    consumed = np.full((len(contexts), max(len(c) for c in contexts)), -1, np.int64)
-    for b, c in enumerate(contexts):
-        consumed[b, : len(c)] = c[:, 0]
+    consumed = np.full((len(contexts), max(1, *(len(b) for b in bans))), -1, np.int64)
+    for row, ban in enumerate(bans):
+        consumed[row, : len(ban)] = ban
     last_ts = torch.tensor([int(c[-1, 2]) for c in contexts])
     generator = Generator(gen_model(target), cache.kv, cache.ts, gen_cfg)
     inputs = GenerationInputs(user_emb, tables, lens, last_ts, torch.from_numpy(consumed))
@@ -142,21 +166,19 @@ class RolloutBatch:
 
 
 def batches(
-    rollouts: Rollouts, window: int, batch_size: int, rng: np.random.Generator
+    rollouts: Rollouts, batch_size: int, rng: np.random.Generator
 ) -> Iterator[RolloutBatch]:
     """One shuffled pass over ``rollouts`` in draft training batches.
 
     ``excluded`` indexes the [P, V] logits of the trained positions (P = ``target.sum()``,
-    row-major): position j excludes the context's items and generated items 1..j, which
-    is what the generator's retrieval excludes when the draft proposes item j + 1.
+    row-major): position j excludes the rollout's excluded items and generated items
+    1..j, which is what the generator's retrieval excludes when the draft proposes j + 1.
     """
-    if window < 1:
-        raise ConfigError(f"rollout window={window} must be >= 1")
     k = rollouts.k
     order = rng.permutation(len(rollouts))
+    width = max((len(w) for w in rollouts.windows), default=0) + k
     for lo in range(0, len(order), batch_size):
         picked = order[lo : lo + batch_size]
-        width = window + k
         b = len(picked)
         items = np.zeros((b, width), np.int64)
         actions = np.zeros((b, width), np.int64)
@@ -168,19 +190,17 @@ def batches(
         ex_items: list[np.ndarray] = []
         position = 0  # index of the next trained position in row-major order
         for r, i in enumerate(picked.tolist()):
-            ctx, gen = rollouts.contexts[i][-window:], rollouts.items[i]
-            n = len(ctx)
-            items[r, :n], actions[r, :n], ts[r, :n] = ctx[:, 0], ctx[:, 1], ctx[:, 2]
-            last_ts = int(rollouts.contexts[i][-1, 2])
+            win, gen = rollouts.windows[i], rollouts.items[i]
+            n = len(win)
+            items[r, :n], actions[r, :n], ts[r, :n] = win[:, 0], win[:, 1], win[:, 2]
             items[r, n : n + k] = gen
             actions[r, n : n + k] = rollouts.action_id
-            ts[r, n : n + k] = last_ts + np.arange(1, k + 1) * rollouts.time_step_ms
+            ts[r, n : n + k] = rollouts.last_ts[i] + np.arange(1, k + 1) * rollouts.time_step_ms
             valid[r, : n + k] = True
             target[r, n : n + k - 1] = True
             next_items[r, n : n + k - 1] = gen[1:]
-            consumed = rollouts.contexts[i][:, 0]
             for j in range(1, k):
-                banned = np.concatenate([consumed, gen[:j]])
+                banned = np.concatenate([rollouts.excluded[i], gen[:j]])
                 ex_rows.append(np.full(len(banned), position, np.int64))
                 ex_items.append(banned)
                 position += 1

@@ -291,7 +291,11 @@ def _train(args: argparse.Namespace) -> int:
     if args.draft_of is not None:
         from streamrec.offline.distillation import DraftConfig, train_draft
 
-        draft = DraftConfig(num_layers=args.draft_layers, rollout_k=args.rollout_k)
+        draft = DraftConfig(
+            num_layers=args.draft_layers,
+            rollout_k=args.rollout_k,
+            rollout_exclude_recent=args.rollout_exclude_recent,
+        )
         result = train_draft(_training_data(args), args.draft_of, args.out, config, draft)
     else:
         result = train(_training_data(args), args.out, config)
@@ -369,6 +373,7 @@ def _build_demo(parser: argparse.ArgumentParser) -> None:
 def _build_train(parser: argparse.ArgumentParser) -> None:
     from streamrec.offline.distillation import DraftConfig
     from streamrec.offline.training import TrainConfig
+    from streamrec.pipeline.scoring_config import ScoringConfig
 
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="model directory")
     parser.add_argument("--epochs", type=int, default=TrainConfig.epochs, help="passes")
@@ -390,6 +395,11 @@ def _build_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rollout-k", type=int, default=DraftConfig.rollout_k, metavar="K",
         help="then train the draft on the target's own K-item continuations (0: data only)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rollout-exclude-recent", type=int, default=ScoringConfig.exclude_recent, metavar="N",
+        help="in those continuations the target never repeats a user's N newest items: the "
+        "worker's scoring.exclude_recent, which generation excludes too",
     )  # fmt: skip
     _add_data_flags(parser)
     parser.set_defaults(handler=_on_device(_train))

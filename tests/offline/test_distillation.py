@@ -113,7 +113,9 @@ def test_cli_train_draft_of(target_dir: Path, tmp_path: Path, capsys) -> None:
                  "--rollout-k", "0"])  # fmt: skip
     assert code == 0 and "wrote" in capsys.readouterr().out
     assert load_draft(out, load_checkpoint(target_dir)).config.num_layers == 2
-    assert load_checkpoint(out).meta["training"]["on_policy"] == {}  # --rollout-k 0: none
+    training = load_checkpoint(out).meta["training"]
+    assert training["on_policy"] == {}  # --rollout-k 0: none
+    assert training["draft_rollout_exclude_recent"] == 16  # the worker's default window
     assert main(["train", "--synthetic", "--draft-of", str(tmp_path / "none"), "--out",
                  str(out)]) == 1  # fmt: skip
     assert "does not exist" in capsys.readouterr().err

@@ -67,15 +67,17 @@ def _target_choices(model: HSTU, batch: RolloutBatch) -> torch.Tensor:
 
 def test_rollouts_are_the_generators_output_and_batches_replay_them(target_dir: Path) -> None:
     target = load_checkpoint(target_dir, dtype="float32")
-    rollouts = roll_out(target, LOG, k=K, stride=7, min_context=4)
+    # window = the whole context: a batch is what the target saw when it generated
+    rollouts = roll_out(target, LOG, k=K, window=SHAPE.max_seq_len, stride=7, min_context=4)
     assert len(rollouts) == 96 * 3 and rollouts.items.shape == (96 * 3, K)  # cuts 20, 13, 6
-    for ctx, items in zip(rollouts.contexts, rollouts.items, strict=True):
+    assert sorted({len(w) for w in rollouts.windows}) == [6, 13, 20]
+    for win, banned, items in zip(rollouts.windows, rollouts.excluded, rollouts.items,
+                                  strict=True):  # fmt: skip
+        assert np.array_equal(banned, win[:, 0])  # every consumed item
         assert len(set(items.tolist())) == K  # never repeated
-        assert not set(items.tolist()) & set(ctx[:, 0].tolist())  # never a consumed item
-    # window = the whole context: the batch is what the target saw when it generated
-    window = SHAPE.max_seq_len - K
+        assert not set(items.tolist()) & set(banned.tolist())  # never a consumed item
     checked = 0
-    for batch in batches(rollouts, window, 32, np.random.default_rng(0)):
+    for batch in batches(rollouts, 32, np.random.default_rng(0)):
         picks = _target_choices(target.model, batch)
         assert torch.equal(picks, batch.next_items[batch.target])
         checked += len(picks)
@@ -83,17 +85,30 @@ def test_rollouts_are_the_generators_output_and_batches_replay_them(target_dir: 
 
 
 def test_a_batch_excludes_consumed_and_earlier_generated_items() -> None:
-    ctx = np.array([[10, 1, 1_000], [11, 1, 2_000], [12, 1, 3_000]], np.int64)
-    rollouts = Rollouts((ctx,), np.array([[20, 21, 22]]), action_id=3, time_step_ms=500)
-    (batch,) = batches(rollouts, window=2, batch_size=4, rng=np.random.default_rng(0))
-    assert batch.items.tolist() == [[11, 12, 20, 21, 22]]  # the window's last 2, then items
+    window = np.array([[11, 1, 2_000], [12, 1, 3_000]], np.int64)
+    rollouts = Rollouts(
+        windows=(window,), excluded=(np.array([10, 11, 12]),), items=np.array([[20, 21, 22]]),
+        last_ts=np.array([3_000]), action_id=3, time_step_ms=500,
+    )  # fmt: skip
+    (batch,) = batches(rollouts, batch_size=4, rng=np.random.default_rng(0))
+    assert batch.items.tolist() == [[11, 12, 20, 21, 22]]  # the window, then the items
     assert batch.ts.tolist() == [[2_000, 3_000, 3_500, 4_000, 4_500]]
     assert batch.actions.tolist() == [[1, 1, 3, 3, 3]]
     assert batch.target.tolist() == [[False, False, True, True, False]]
     assert batch.next_items[batch.target].tolist() == [21, 22]
     rows, items = batch.excluded
     banned = [sorted(items[rows == p].tolist()) for p in range(2)]
-    assert banned == [[10, 11, 12, 20], [10, 11, 12, 20, 21]]  # the whole context, too
+    assert banned == [[10, 11, 12, 20], [10, 11, 12, 20, 21]]  # beyond the window, too
+
+
+def test_rollouts_exclude_only_the_newest_items_when_asked(target_dir: Path) -> None:
+    target = load_checkpoint(target_dir, dtype="float32")
+    rollouts = roll_out(target, LOG, k=K, window=5, exclude_recent=2, stride=9)
+    for win, banned, items in zip(rollouts.windows, rollouts.excluded, rollouts.items,
+                                  strict=True):  # fmt: skip
+        assert len(win) == 5 and np.array_equal(banned, win[-2:, 0])
+        assert not set(items.tolist()) & set(banned.tolist())
+    assert rollouts.last_ts.tolist() == [int(w[-1, 2]) for w in rollouts.windows]
 
 
 def test_on_policy_training_raises_agreement_on_contexts_it_never_saw(
@@ -111,13 +126,12 @@ def test_on_policy_training_raises_agreement_on_contexts_it_never_saw(
         for name, draft in (("data", replace(shape, rollout_k=0)), ("on_policy", shape))
     }
     target = load_checkpoint(target_dir, dtype="float32")
-    held_out = roll_out(target, unseen, k=K, stride=3)
-    window = SHAPE.max_seq_len - K - 5
+    held_out = roll_out(target, unseen, k=K, window=SHAPE.max_seq_len - K - 5, stride=3)
     agreement = {}
     for name, path in drafts.items():
         draft = load_checkpoint(path, dtype="float32").model
         hits = total = 0
-        for batch in batches(held_out, window, 64, np.random.default_rng(0)):
+        for batch in batches(held_out, 64, np.random.default_rng(0)):
             picks = _target_choices(draft, batch)
             hits += int((picks == batch.next_items[batch.target]).sum())
             total += len(picks)
@@ -140,4 +154,8 @@ def test_bad_rollout_settings_are_named(target_dir: Path, tmp_path: Path) -> Non
         train_draft(LOG, target_dir, tmp_path / "d", SHAPE, DraftConfig(rollout_k=30),
                     progress=None)  # fmt: skip
     with pytest.raises(ConfigError, match="stride=0"):
-        roll_out(load_checkpoint(target_dir), LOG, k=2, stride=0)
+        roll_out(load_checkpoint(target_dir), LOG, k=2, window=4, stride=0)
+    with pytest.raises(ConfigError, match="exclude_recent=-1"):
+        roll_out(load_checkpoint(target_dir), LOG, k=2, window=4, exclude_recent=-1)
+    with pytest.raises(ConfigError, match="rollout_exclude_recent=-3"):
+        DraftConfig(rollout_exclude_recent=-3)
