@@ -215,8 +215,16 @@ for stage in "$@"; do
         tests/cache/test_host_tier.py 2>&1 | tee "$OUT/fp8_tests.log" \
         | grep -E "rel err|on NVIDIA|fp8 model|passed|failed|Error" | tail -40
       timeout 300 python3 -m bench.fp8_bench 2>&1 | tee "$OUT/fp8_bench.log" | tail -24 ;;
-    speculative)  # issue 19: next-k generation, speculative vs target-only, 8L reference
-      python3 -m bench.speculative_bench --draft-layers 2 --out "$OUT" 2>&1 | grep -v "^W1" | tail -40 ;;
+    speculative)  # issue 19: next-k generation, speculative vs target-only, 8L reference;
+      # its gpu tests (compaction under CUDA graphs), then the generation shapes of
+      # retrieval (k = 1: a draft's proposals at D = 64, the verify's 5 rows/user at D = 512)
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/pipeline/test_generator_gpu.py \
+        2>&1 | tail -3
+      python3 -m bench.speculative_bench --draft-layers 2 --out "$OUT" 2>&1 | grep -v "^W1" | tail -40
+      python3 -m bench.retrieval_bench --k 1 --dim 64 --batches 64 256 --sweep-batch 0 \
+        --out "$OUT" 2>&1 | tail -6
+      python3 -m bench.retrieval_bench --k 1 --dim 512 --batches 64 320 --sweep-batch 0 \
+        --out "$OUT" 2>&1 | tail -6 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s"

@@ -11,7 +11,10 @@ Target (issue 14): <= 3 µs per user at batch 256.
     python -m bench.retrieval_bench [--batches 1 8 64 256] [--iters 30] [--out DIR]
 
 Writes bench/results/h200_retrieval.json (and DIR/h200_retrieval.json); about a minute
-(most of it compiling the kernels of each tile shape).
+(most of it compiling the kernels of each tile shape). ``--k 1 --dim 64`` (and ``--dim
+512``) time the shapes of greedy generation instead (a draft's proposal, the target's
+verify of γ + 1 positions per user), into ``h200_retrieval_k1_d64.json`` and so on: which
+of the two implementations each should use.
 """
 
 from __future__ import annotations
@@ -63,21 +66,21 @@ def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def batch_rows(
-    table: torch.Tensor, batch: int, iters: int
+    table: torch.Tensor, batch: int, iters: int, k: int = K
 ) -> tuple[list[dict[str, object]], float]:
     """The two rows of one batch size, and mm + topk's µs per call."""
     users, exclude = _inputs(table, batch, seed=batch)
     rows: list[dict[str, object]] = []
-    base = _us(lambda: retrieval.retrieve_reference(users, table, exclude, K, FIRST), iters)
+    base = _us(lambda: retrieval.retrieve_reference(users, table, exclude, k, FIRST), iters)
     rows.append(
         {"op": "retrieve", "impl": "mm_topk", "batch": batch, "us": round(base, 1),
          "us_per_user": round(base / batch, 2), "speedup_vs_mm_topk": 1.0}
     )  # fmt: skip
     try:
-        fused = _us(lambda: retrieval.fused_retrieve(users, table, exclude, K, FIRST), iters)
-        want = retrieval.retrieve_reference(users, table, exclude, K, FIRST)[1]
-        got = retrieval.fused_retrieve(users, table, exclude, K, FIRST)[1]
-        counts = retrieval.launch_retrieval(users, table, exclude, K, FIRST)[2].sum(1)
+        fused = _us(lambda: retrieval.fused_retrieve(users, table, exclude, k, FIRST), iters)
+        want = retrieval.retrieve_reference(users, table, exclude, k, FIRST)[1]
+        got = retrieval.fused_retrieve(users, table, exclude, k, FIRST)[1]
+        counts = retrieval.launch_retrieval(users, table, exclude, k, FIRST)[2].sum(1)
         rows.append(
             {"op": "retrieve", "impl": "fused", "batch": batch, "us": round(fused, 1),
              "us_per_user": round(fused / batch, 2),
@@ -90,14 +93,14 @@ def batch_rows(
 
 
 def sweep_rows(
-    table: torch.Tensor, batch: int, iters: int, base_us: float
+    table: torch.Tensor, batch: int, iters: int, base_us: float, k: int = K
 ) -> list[dict[str, object]]:
     users, exclude = _inputs(table, batch, seed=batch)
     rows: list[dict[str, object]] = []
     for bb, bv, bk, warps, stages, per_sm, flat in SWEEP:
         cfg = retrieval.LaunchConfig(bb, bv, bk, warps, stages, per_sm, flat)
         try:
-            run = partial(retrieval.launch_retrieval, users, table, exclude, K, FIRST, cfg)
+            run = partial(retrieval.launch_retrieval, users, table, exclude, k, FIRST, cfg)
             us = _us(run, iters)
         except Exception:
             traceback.print_exc()
@@ -116,39 +119,46 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--sweep-batch", type=int, default=256, help="0: no tile sweep")
     parser.add_argument("--out", default=None, help="also write the JSON into this directory")
+    parser.add_argument("--k", type=int, default=K, help="items per user")
+    parser.add_argument("--dim", type=int, default=DIM, help="embedding width")
     args = parser.parse_args()
+    name = (
+        "h200_retrieval"
+        if (args.k, args.dim) == (K, DIM)
+        else (f"h200_retrieval_k{args.k}_d{args.dim}")
+    )
     t0 = time.perf_counter()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    table = F.normalize(torch.randn(NUM_ITEMS, DIM, device="cuda", generator=gen), dim=-1)
+    table = F.normalize(torch.randn(NUM_ITEMS, args.dim, device="cuda", generator=gen), dim=-1)
     table = table.bfloat16()
     rows: list[dict[str, object]] = []
     with torch.no_grad():
         base: dict[int, float] = {}
         for batch in args.batches:
-            batch_out, base[batch] = batch_rows(table, batch, args.iters)
+            batch_out, base[batch] = batch_rows(table, batch, args.iters, args.k)
             rows += batch_out
             print_table(batch_out)
         if args.sweep_batch:
             sweep_base = base.get(args.sweep_batch, float("nan"))
-            rows += sweep_rows(table, args.sweep_batch, args.iters, sweep_base)
+            rows += sweep_rows(table, args.sweep_batch, args.iters, sweep_base, args.k)
     meta: dict[str, object] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "shape": {"items": NUM_ITEMS, "dim": DIM, "k": K, "excluded": NUM_EXCLUDED},
+        "shape": {"items": NUM_ITEMS, "dim": args.dim, "k": args.k, "excluded": NUM_EXCLUDED},
         "dtype": "bfloat16",
         "launch": {
             "default": {
-                b: str(retrieval.default_config(b, torch.bfloat16, DIM)) for b in args.batches
+                b: str(retrieval.default_config(b, torch.bfloat16, args.dim)) for b in args.batches
             },
             "sample_every": retrieval.SAMPLE_EVERY,
             "merge_window": retrieval.MERGE_WINDOW,
         },
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    path = write_results("h200_retrieval", rows, meta)
+    path = write_results(name, rows, meta)
     if args.out:
-        write_results("h200_retrieval", rows, meta, Path(args.out))
+        write_results(name, rows, meta, Path(args.out))
     print(f"wrote {path}")
     print_table(rows)
     return 0
