@@ -175,10 +175,11 @@ def _acceptance_from_movielens(k: int) -> float:
 
 
 def _time(gen: Generator, inputs: GenerationInputs, iters: int, sync: bool) -> tuple[float, ...]:
-    """(p50 ms of ``generate``, rounds per call, acceptance, compactions per call) after one
-    warm-up call."""
+    """(p50 ms of ``generate``, rounds per call, acceptance, compactions per call, rows the
+    rounds ran over per call) after one warm-up call."""
     gen.generate(inputs)  # captures the graphs
-    before = (gen.stats.rounds, gen.stats.proposed, gen.stats.accepted, gen.stats.compactions)
+    before = (gen.stats.rounds, gen.stats.proposed, gen.stats.accepted, gen.stats.compactions,
+              gen.stats.row_rounds)  # fmt: skip
     times = []
     for _ in range(iters):
         if sync:
@@ -190,8 +191,9 @@ def _time(gen: Generator, inputs: GenerationInputs, iters: int, sync: bool) -> t
     proposed = gen.stats.proposed - before[1]
     accepted = gen.stats.accepted - before[2]
     compactions = (gen.stats.compactions - before[3]) / iters
+    row_rounds = (gen.stats.row_rounds - before[4]) / iters
     acceptance = accepted / proposed if proposed else 0.0
-    return statistics.median(times), rounds, acceptance, compactions
+    return statistics.median(times), rounds, acceptance, compactions, row_rounds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,8 +308,9 @@ def _one(
                 print(f"kernels {name} k={cfg.k} batch {batch} (us per generation, calls):")
                 for e in top:
                     print(f"  {e['us']:9.1f} {e['calls']:4d}  {e['kernel']}")
-        spec_ms, rounds, accepted, compactions = _time(spec, spec_inputs, iters,
-                                                       device == "cuda")  # fmt: skip
+        spec_ms, rounds, accepted, compactions, row_rounds = _time(
+            spec, spec_inputs, iters, device == "cuda"
+        )
         tokens = batch * cfg.k
         out.append({
             "k": cfg.k, "batch": batch, "mode": mode, "acceptance": round(accepted, 3),
@@ -316,7 +319,7 @@ def _one(
             "ar_tokens_s": round(tokens / ar_ms * 1000.0, 1),
             "spec_tokens_s": round(tokens / spec_ms * 1000.0, 1),
             "ar_target_calls": cfg.k, "spec_rounds": rounds, "identical": identical,
-            "compactions": compactions,
+            "compactions": compactions, "row_rounds": row_rounds,
             "ar_ms_per_step": round(ar_ms / cfg.k, 3),
             "spec_ms_per_round": round(spec_ms / max(rounds + 1.0, 1.0), 3),
         })  # fmt: skip

@@ -40,6 +40,7 @@ def test_rows_are_identical_and_forced_acceptance_is_near_the_wanted_rate() -> N
     assert uncompacted["mode"] == "forced-uncompacted" and uncompacted["compactions"] == 0
     # the same draws per (row, position): compaction changes no row's accepted prefix
     assert forced["acceptance"] == uncompacted["acceptance"] and uncompacted["identical"] == 1.0
+    assert forced["row_rounds"] < uncompacted["row_rounds"] == 8 * uncompacted["spec_rounds"]
     assert raw["identical"] == 1.0 and forced["identical"] == 1.0
     assert raw["acceptance"] < 0.1  # random weights: the draft is almost never right
     assert 0.45 < forced["acceptance"] < 0.75  # the reference rows follow a compaction
