@@ -32,6 +32,7 @@ from streamrec.offline.datasets import InteractionLog
 from streamrec.offline.progress import ProgressBar
 from streamrec.offline.rollouts import Rollouts, batches, roll_out
 from streamrec.offline.training import FitStats, TrainConfig, TrainResult, deterministic, fit
+from streamrec.pipeline.draft_catalog import save_draft_items
 from streamrec.pipeline.generation_config import GenerationConfig
 
 
@@ -269,6 +270,7 @@ def _distill(
         )
     stats = fit(model, part, rows, cfg, loss_fn, progress)
     on_policy: dict[str, float] = {}
+    emitted: np.ndarray | None = None  # the target's items in the rollouts
     if draft_cfg.rollout_k and draft_cfg.rollout_epochs:
         history = part if rollout_log is None else rollout_log.leave_last_out()[0]
         rollouts = roll_out(
@@ -278,6 +280,7 @@ def _distill(
             limit=draft_cfg.rollout_contexts, seed=cfg.seed, progress=progress,
         )  # fmt: skip
         second = _fit_rollouts(model, rollouts, cfg, draft_cfg, progress)
+        emitted = rollouts.items
         on_policy = {
             "contexts": len(rollouts),
             "steps": second.steps,
@@ -303,6 +306,8 @@ def _distill(
         },
     }
     version = save_checkpoint(out_dir, model.eval().to("cpu"), target_ckpt.vocab, meta)
+    if emitted is not None:  # what generation.draft_catalog picks from
+        save_draft_items(out_dir, emitted)
     return TrainResult.of(
         out_dir, version, stats, target_ckpt.vocab, part.num_users, epochs=cfg.epochs
     )

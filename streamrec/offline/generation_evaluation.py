@@ -28,6 +28,7 @@ from streamrec.models.checkpoint import Checkpoint, load_checkpoint
 from streamrec.models.draft import load_draft
 from streamrec.models.hstu import HSTU
 from streamrec.offline.datasets import InteractionLog
+from streamrec.pipeline.draft_catalog import DraftCatalog, load_draft_items
 from streamrec.pipeline.draft_context import DraftContext
 from streamrec.pipeline.generation_workspace import ModelGeometry
 from streamrec.pipeline.generator import (
@@ -128,11 +129,15 @@ def evaluate_generation(
     action: str = "like",
     batch_size: int = 64,
     compact: bool = True,
+    draft_catalog: int = 0,
     report: TextIO | None = sys.stdout,
 ) -> GenerationEvalResult:
     """HR@1/HR@10 of the ranked list and of the generated list; the draft's acceptance."""
     target = load_checkpoint(model_dir, dtype="float32")
     draft = None if draft_dir is None else load_draft(draft_dir, target, dtype="float32")
+    catalog = None
+    if draft is not None and draft_dir is not None and draft_catalog:
+        catalog = DraftCatalog(draft.model, load_draft_items(draft_dir, draft_catalog))
     cfg = target.config
     history, held_out = data.leave_last_out()
     rows = target.vocab.lookup(history.items.tolist())
@@ -179,8 +184,9 @@ def evaluate_generation(
         _add(calls["target"], plain.stats)
         if draft is not None:
             spec = Generator(
-                gen_model(target), cache.kv, cache.ts, gen_cfg, gen_model(draft), compact=compact
-            )
+                gen_model(target), cache.kv, cache.ts, gen_cfg, gen_model(draft),
+                compact=compact, draft_catalog=catalog,
+            )  # fmt: skip
             context = DraftContext(spec.window)
             for b, h in enumerate(hists):
                 context.update(str(b), h, replace=True)

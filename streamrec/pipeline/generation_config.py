@@ -27,12 +27,15 @@ class GenerationConfig:
     verifies them in one call. ``temperature = 0`` is greedy; otherwise items are sampled
     from the top ``sample_pool`` candidates (nucleus ``top_p``), seeded by ``seed``.
     ``exclude_consumed`` keeps the user's recent items (the ranked list's exclusion
-    window) out; generated items never repeat either way.
+    window) out; generated items never repeat either way. ``draft_catalog = N`` lets the
+    draft propose only among the N items its target emitted most often in the draft's
+    training rollouts (``pipeline/draft_catalog.py``): a cheaper proposal, the same output.
     """
 
     k: int = 0
     draft_model: Path | None = None
     gamma: int = 4
+    draft_catalog: int = 0  # 0: the draft proposes from the whole catalog
     temperature: float = 0.0
     top_p: float = 1.0
     sample_pool: int = 64
@@ -51,6 +54,12 @@ class GenerationConfig:
             (self.time_step_ms >= 0, "time_step_ms", "must be >= 0"),
             (self.action in GENERATION_ACTIONS, "action", f"must be one of {GENERATION_ACTIONS}"),
             (self.draft_model is None or self.k >= 1, "draft_model", "needs k >= 1"),
+            (self.draft_catalog >= 0, "draft_catalog", "must be >= 0 (0 = the whole catalog)"),
+            (
+                self.draft_catalog == 0 or self.draft_model is not None,
+                "draft_catalog",
+                "needs generation.draft_model",
+            ),
             (self.draft_model is None or str(self.draft_model) != "", "draft_model", "is empty"),
         )
         for ok, name, problem in checks:

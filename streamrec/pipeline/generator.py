@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from streamrec.errors import ConfigError, PipelineError
+from streamrec.models.hstu import HSTU
+from streamrec.pipeline.draft_catalog import DraftCatalog
 from streamrec.pipeline.generation_config import GenerationConfig
 from streamrec.pipeline.generation_workspace import ModelGeometry, Workspace, write_scratch
 from streamrec.pipeline.sampling import (
@@ -40,6 +42,8 @@ from streamrec.pipeline.sampling import (
 from streamrec.pipeline.serving_model import GeneratingModel
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# (user_emb [R, D], k, exclude [R, E]) -> (scores, item rows) [R, k]
+Retrieve = Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class Generator:
         max_blocks: int = 1,
         max_consumed: int = 1,
         compact: bool = True,
+        draft_catalog: DraftCatalog | None = None,
     ) -> None:
         if config.k < 1:
             raise ConfigError(f"k = {config.k}: a Generator needs k >= 1")
@@ -121,6 +126,12 @@ class Generator:
         # workspace (and one set of graphs) per row count serves every batch.
         self.max_blocks, self.max_consumed = max_blocks, max_consumed
         self.compact = compact  # greedy speculative rows that finish leave the batch
+        self.draft_catalog = draft_catalog  # the draft proposes among these items only
+        if draft_catalog is not None and (draft is None or draft_catalog.size < config.candidates):
+            raise ConfigError(
+                f"draft catalog of {draft_catalog.size} items: needs a draft and at least "
+                f"{config.candidates} items (the candidates per position)"
+            )
         t_cfg = target.geometry.config
         self.window = 0
         if draft is not None:
@@ -345,11 +356,11 @@ class Generator:
     # ------------------------------------------------------------------ steps
 
     def _choose(
-        self, model: GeneratingModel, emb: torch.Tensor, exclude: torch.Tensor
+        self, retrieve: Retrieve, emb: torch.Tensor, exclude: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The chosen item per row of emb [R', D]: (item, score, ids [R', N], probs)."""
         s = self.config
-        scores, ids = model.retrieve(emb, s.candidates, exclude)  # [R', N]
+        scores, ids = retrieve(emb, s.candidates, exclude)  # [R', N]
         scores = scores.float()
         if s.greedy:
             return ids[:, 0], scores[:, 0], ids, torch.ones_like(scores)
@@ -363,7 +374,7 @@ class Generator:
 
     def _first(self, ws: Workspace) -> None:
         """Item 1 from the step's own user embedding: no extra model call but retrieval."""
-        item, score, _, _ = self._choose(self.target.model, ws.emb, ws.emitted())
+        item, score, _, _ = self._choose(self.target.model.retrieve, ws.emb, ws.emitted())
         ws.gen[:, 0] = item
         ws.gen_scores[:, 0] = score
         k = self.config.k
@@ -387,7 +398,7 @@ class Generator:
 
     def _ar_step(self, ws: Workspace) -> None:
         emb = self._target_call(ws, ws.last_emitted())  # [R, 1, D]
-        item, score, _, _ = self._choose(self.target.model, emb[:, 0], ws.emitted())
+        item, score, _, _ = self._choose(self.target.model.retrieve, emb[:, 0], ws.emitted())
         at = ws.m.clamp(max=ws.cap - 1).unsqueeze(1)
         ws.gen.scatter_(1, at, item.unsqueeze(1))
         ws.gen_scores.scatter_(1, at, score.unsqueeze(1))
@@ -431,13 +442,24 @@ class Generator:
         emb = self._draft_call(ws, items, actions, self._token_ts(ws, index), start)
         return emb[:, 1], start + 2
 
+    def _draft_retrieve(
+        self, emb: torch.Tensor, k: int, exclude: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's retrieval: over its catalog when it has one (``DraftCatalog``)."""
+        assert self.draft is not None
+        if self.draft_catalog is None:
+            return self.draft.model.retrieve(emb, k, exclude)
+        model = self.draft.model
+        assert isinstance(model, HSTU)  # a catalog is built from the eager draft
+        return self.draft_catalog.retrieve(model, emb, k, exclude)
+
     def _propose(
         self, ws: Workspace, j: int, query: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The draft's item for position m + j from its query [R, D]: (item, ids, probs)."""
         assert self.draft is not None
         exclude = torch.cat([ws.emitted(), ws.draft[:, :j]], dim=1)
-        item, _, ids, probs = self._choose(self.draft.model, query, exclude)
+        item, _, ids, probs = self._choose(self._draft_retrieve, query, exclude)
         return item, ids, probs
 
     def _round(self, ws: Workspace, opening: bool) -> None:

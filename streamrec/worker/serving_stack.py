@@ -29,6 +29,7 @@ from streamrec.models.config import HSTUConfig
 from streamrec.models.draft import load_draft
 from streamrec.models.hstu import HSTU
 from streamrec.models.quantization import kv_storage_dtype, model_precision
+from streamrec.pipeline.draft_catalog import DraftCatalog, load_draft_items
 from streamrec.pipeline.generation_workspace import ModelGeometry
 from streamrec.pipeline.generator import ROW_BUCKETS, Generator, GenModel
 from streamrec.pipeline.item_catalog import ItemCatalog
@@ -177,9 +178,13 @@ def serving_generation(
         target = loaded.model.unchecked()
     dtype = hstu.torch_dtype
     draft = None
+    catalog = None
     if gen.draft_model is not None:
         draft_ckpt = load_draft(gen.draft_model, loaded.checkpoint, device=loaded.device)
         draft = GenModel(draft_ckpt.model, ModelGeometry(draft_ckpt.config, dtype))
+        if gen.draft_catalog:
+            items = load_draft_items(gen.draft_model, gen.draft_catalog)
+            catalog = DraftCatalog(draft_ckpt.model, items)
         log.info(
             "speculative generation",
             extra={"draft": str(gen.draft_model), "draft_version": draft_ckpt.version},
@@ -191,7 +196,7 @@ def serving_generation(
         GenModel(target, ModelGeometry(hstu, dtype)), cache.kv, cache.ts, gen, draft,
         capture=capture, max_rows=rows[-1],
         max_blocks=-(-hstu.max_seq_len // cache.config.block_size) + 1,
-        max_consumed=max(1, scoring.exclude_recent),
+        max_consumed=max(1, scoring.exclude_recent), draft_catalog=catalog,
     )  # fmt: skip
     if generator.capture:
         generator.warm_up(rows)

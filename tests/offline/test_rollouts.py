@@ -22,6 +22,7 @@ from streamrec.offline.datasets import SyntheticSpec, synthetic_log
 from streamrec.offline.distillation import DraftConfig, train_draft
 from streamrec.offline.rollouts import RolloutBatch, Rollouts, batches, cut_points, roll_out
 from streamrec.offline.training import TrainConfig, train
+from streamrec.pipeline.draft_catalog import DRAFT_ITEMS, load_draft_items
 
 LOG = synthetic_log(SyntheticSpec(num_users=96, num_items=120, events_per_user=20))
 SHAPE = TrainConfig(
@@ -138,6 +139,10 @@ def test_on_policy_training_raises_agreement_on_contexts_it_never_saw(
         agreement[name] = hits / total
     print(f"top-1 agreement with the target on held-out rollouts: {agreement}")
     assert agreement["on_policy"] > agreement["data"] + 0.1
+    # the items the target emitted in the rollouts, for generation.draft_catalog
+    assert not (drafts["data"] / DRAFT_ITEMS).exists()
+    items = load_draft_items(drafts["on_policy"], 1_000)
+    assert len(items) > K and (items >= target.config.first_item_row).all()
     meta = load_checkpoint(drafts["on_policy"]).meta["training"]
     assert (
         meta["on_policy"]["contexts"] > 0

@@ -9,6 +9,7 @@ import dataclasses
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from streamrec.errors import ModelError
 from streamrec.models.checkpoint import load_checkpoint, save_checkpoint
 from streamrec.models.draft import draft_meta
 from streamrec.models.hstu import HSTU
+from streamrec.pipeline.draft_catalog import save_draft_items
 from streamrec.pipeline.generation_config import GenerationConfig
 from streamrec.worker.app import App
 from streamrec.worker.model_loader import load_model
@@ -99,3 +101,24 @@ def test_a_draft_of_another_model_stops_the_start(tmp_path: Path) -> None:
         serving_generation(config, loaded, tiers.cache, scoring)
     plain = dataclasses.replace(config, generation=GenerationConfig())
     assert serving_generation(plain, loaded, tiers.cache, scoring) is None
+
+
+def test_a_draft_catalog_comes_from_the_drafts_directory(tmp_path: Path) -> None:
+    model_dir = tiny_model_dir(tmp_path / "tiny")
+    draft = draft_dir(tmp_path / "draft", model_dir)
+    config = dataclasses.replace(
+        worker_config("127.0.0.1:1", Topics("pb", "ia", "out", "dlq"), "g", model_dir),
+        generation=GenerationConfig(k=K, draft_model=draft, draft_catalog=3),
+    )
+    loaded = load_model(config.model, config.scoring)
+    tiers = build_tiers(config.cache, loaded)
+    scoring = serving_scoring(config.scoring, loaded.checkpoint.config)
+    with pytest.raises(ModelError, match=r"no draft_items\.npy"):  # a draft without rollouts
+        serving_generation(config, loaded, tiers.cache, scoring)
+    first = loaded.checkpoint.config.first_item_row
+    save_draft_items(draft, np.array([first + 4, first + 2, first + 4, first + 9, first + 1]))
+    step = serving_generation(config, loaded, tiers.cache, scoring)
+    assert step is not None
+    catalog = step.generator.draft_catalog
+    assert catalog is not None and catalog.size == 3  # the 3 most emitted
+    assert catalog.rows[first:].tolist() == [first + 4, first + 1, first + 2]
