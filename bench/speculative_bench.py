@@ -16,7 +16,8 @@ acceptance is an input: by default the rate measured on MovieLens with trained m
 (bench/results/movielens_speculative.json, from bench/movielens_generation.py on the CPU).
 Rows "forced-uncompacted" run the same forced draws with the generator's compaction off
 (``Generator(compact=False)``: rows that finished early stay in the batch to the end), so
-one run shows what compaction saves.
+one run shows what compaction saves; rows "forced-catalog" the same with the draft
+proposing among ``--draft-catalog`` rows (``generation.draft_catalog``) instead of all.
 
 H200 (~1-2 min): ``python3 -m bench.speculative_bench --out $OUT``; CPU smoke test:
 ``.venv/bin/python -m bench.speculative_bench --small``. Writes
@@ -46,6 +47,7 @@ from streamrec.cache.kv_cache import KVCache
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU, HSTULayer
 from streamrec.offline.generation_evaluation import cached_users
+from streamrec.pipeline.draft_catalog import DraftCatalog
 from streamrec.pipeline.draft_context import DraftContext
 from streamrec.pipeline.generation_config import GenerationConfig
 from streamrec.pipeline.generation_workspace import ModelGeometry, Workspace
@@ -206,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         "--acceptance", type=float, default=None,
         help="acceptance rate to force (kept / proposed; default: the MovieLens figure)",
     )  # fmt: skip
+    parser.add_argument(
+        "--draft-catalog", type=int, default=65_536,
+        help="rows forced-catalog's draft proposes from (generation.draft_catalog; 0: no rows)",
+    )  # fmt: skip
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--small", action="store_true", help="small model on the CPU")
     parser.add_argument("--no-graphs", action="store_true")
@@ -228,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [len(h) for h in histories[:8]]
     print(f"set-up {time.perf_counter() - started:.1f} s: {w.name} on {device}, histories "
           f"{lengths}..., forced acceptance per k {rates}")  # fmt: skip
+    catalog = None
+    if args.draft_catalog:  # random rows: acceptance is forced, the catalog sets the cost
+        rows_all = np.random.default_rng(2).permutation(
+            np.arange(d_cfg.first_item_row, d_cfg.num_items)
+        )
+        catalog = DraftCatalog(draft, rows_all[: args.draft_catalog].astype(np.int64))
     geo_t = ModelGeometry(t_cfg, t_cfg.torch_dtype)
     geo_d = ModelGeometry(d_cfg, d_cfg.torch_dtype)
     graphs = device == "cuda" and not args.no_graphs
@@ -240,13 +252,14 @@ def main(argv: list[str] | None = None) -> int:
                 profile = (args.profile and device == "cuda" and k == max(args.ks)
                            and batch == max(args.batches))  # fmt: skip
                 rows.extend(_one(target, draft, geo_t, geo_d, cache, user_emb, histories, cfg,
-                                 batch, alpha, graphs, args.iters, device, profile))  # fmt: skip
+                                 batch, alpha, graphs, args.iters, device, profile,
+                                 catalog))  # fmt: skip
             except Exception:  # one failing configuration must not lose the others
                 traceback.print_exc()
                 rows.append({"k": k, "batch": batch, "mode": "error"})
             if device == "cuda":
                 torch.cuda.empty_cache()  # the finished generators' graph pools
-            print_table(rows[-4:])
+            print_table(rows[-5:])
     meta = {
         "workload": w.name, "target": t_cfg.to_dict(), "draft": d_cfg.to_dict(),
         "gamma": args.gamma, "acceptance_forced": rates,
@@ -269,7 +282,7 @@ def _one(
     target: HSTU, draft: HSTU, geo_t: ModelGeometry, geo_d: ModelGeometry, cache: KVCache,
     user_emb: torch.Tensor,
     histories: list[np.ndarray], cfg: GenerationConfig, batch: int, alpha: float, graphs: bool,
-    iters: int, device: str, profile: bool = False,
+    iters: int, device: str, profile: bool = False, catalog: DraftCatalog | None = None,
 ) -> list[dict[str, object]]:  # fmt: skip
     users = [str(b) for b in range(batch)]
     tables, lens = cache.batch_tables(users)
@@ -283,11 +296,12 @@ def _one(
     reference = ar.generate(inputs)
     ar_ms = _time(ar, inputs, iters, device == "cuda")[0]
     out: list[dict[str, object]] = []
-    for mode in ("raw", "forced", "forced-uncompacted"):
+    modes = ("raw", "forced", "forced-uncompacted") + (("forced-catalog",) if catalog else ())
+    for mode in modes:
         cls = ForcedAcceptance if mode.startswith("forced") else Generator
         spec = cls(GenModel(target, geo_t), cache.kv, cache.ts, cfg, GenModel(draft, geo_d),
-                   capture=graphs, max_rows=batch,
-                   compact=mode != "forced-uncompacted")  # fmt: skip
+                   capture=graphs, max_rows=batch, compact=mode != "forced-uncompacted",
+                   draft_catalog=catalog if mode == "forced-catalog" else None)  # fmt: skip
         if isinstance(spec, ForcedAcceptance):
             spec.set_reference(torch.from_numpy(reference.items).to(device), alpha, seed=batch)
         context = DraftContext(spec.window)

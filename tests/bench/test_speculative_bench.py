@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from bench.reference_config import ReferenceWorkload
 from bench.speculative_bench import _configs, _histories, _model, _one, per_position
 from streamrec.offline.generation_evaluation import cached_users
+from streamrec.pipeline.draft_catalog import DraftCatalog
 from streamrec.pipeline.generation_config import GenerationConfig
 from streamrec.pipeline.generation_workspace import ModelGeometry
 
@@ -33,9 +35,13 @@ def test_rows_are_identical_and_forced_acceptance_is_near_the_wanted_rate() -> N
     geo_t = ModelGeometry(t_cfg, torch.float32)
     geo_d = ModelGeometry(d_cfg, torch.float32)
     cfg = GenerationConfig(k=12, gamma=4)
+    catalog = DraftCatalog(draft, np.arange(100, 200))
     rows = _one(target, draft, geo_t, geo_d, cache, user_emb, histories, cfg, 8,
-                per_position(0.6, 4), False, 1, "cpu")  # fmt: skip
-    raw, forced, uncompacted = rows
+                per_position(0.6, 4), False, 1, "cpu", catalog=catalog)  # fmt: skip
+    raw, forced, uncompacted, with_catalog = rows
+    # forced draws decide acceptance; the catalog changes only the draft's work
+    assert with_catalog["mode"] == "forced-catalog" and with_catalog["identical"] == 1.0
+    assert with_catalog["acceptance"] == forced["acceptance"]
     assert raw["mode"] == "raw" and forced["mode"] == "forced"
     assert uncompacted["mode"] == "forced-uncompacted" and uncompacted["compactions"] == 0
     # the same draws per (row, position): compaction changes no row's accepted prefix
