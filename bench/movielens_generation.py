@@ -13,7 +13,8 @@ held-out acceptance the H200 benchmark (bench/speculative_bench.py) forces at th
 reference shapes.
 
     .venv/bin/python -m bench.movielens_generation \\
-        --ratings ../shared/data/movielens-small/ratings.csv --work /tmp/spec-ml
+        --ratings ../shared/data/movielens-small/ratings.csv --work /tmp/spec-ml \\
+        [--gammas 4 2 3 6] [--catalogs 0 500 1000]
 
 (on an idle 2-core machine: the target ~2.5 min, the data-only draft ~4.5 min, the
 on-policy draft ~4.5 + 4 + 8 min (distillation, rollouts, on-policy epochs); each
@@ -36,6 +37,7 @@ from streamrec.offline.datasets import InteractionLog, read_movielens
 from streamrec.offline.distillation import DraftConfig, train_draft
 from streamrec.offline.generation_evaluation import evaluate_generation
 from streamrec.offline.training import TrainConfig, train
+from streamrec.pipeline.draft_catalog import DRAFT_ITEMS
 
 TARGET = TrainConfig(num_layers=4, epochs=6, model_name="hstu-ml-4l")
 DRAFT = TrainConfig(epochs=4, dropout=0.1)
@@ -43,9 +45,9 @@ DRAFT = TrainConfig(epochs=4, dropout=0.1)
 # at k = 20 (75 - 20 - 4 - 1 = 50 tokens).
 ON_POLICY = DraftConfig(num_layers=2, max_seq_len=75, distill_weight=0.9)
 DATA_ONLY = replace(ON_POLICY, rollout_k=0)
-COLUMNS = ("draft", "population", "users", "k", "acceptance", "greedy_identical",
-           "target_calls_per_batch", "row_rounds_per_batch", "ranked_hr10", "retrieval_hr10",
-           "first_generated_hr1", "generated_hr10")  # fmt: skip
+COLUMNS = ("draft", "population", "users", "k", "gamma", "draft_catalog", "acceptance",
+           "greedy_identical", "target_calls_per_batch", "row_rounds_per_batch", "ranked_hr10",
+           "retrieval_hr10", "first_generated_hr1", "generated_hr10")  # fmt: skip
 
 
 def held_out(log: InteractionLog, every: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,7 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         help="drafts to evaluate (else a data-only and an on-policy draft are trained here)",
     )  # fmt: skip
     parser.add_argument("--ks", type=int, nargs="+", default=[10, 20])
-    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument(
+        "--gammas", type=int, nargs="+", default=[4],
+        help="draft items per round; the first for every row, the others on held-out users",
+    )  # fmt: skip
+    parser.add_argument(
+        "--catalogs", type=int, nargs="+", default=[0],
+        help="generation.draft_catalog values (0: the whole catalog), as --gammas",
+    )  # fmt: skip
     parser.add_argument("--holdout-every", type=int, default=5)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -84,12 +93,22 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, object]] = []
     for draft in drafts:
         meta = load_checkpoint(draft).meta.get("training", {})
+        layers = load_checkpoint(draft).config.num_layers
+        has_items = (draft / DRAFT_ITEMS).exists()
         for population, part in (("all", log), ("held_out", log.subset(unseen))):
-            for k in args.ks:
-                result = evaluate_generation(model, part, draft_dir=draft, k=k,
-                                             gamma=args.gamma, report=None)  # fmt: skip
+            # the default row of each k, then (held-out users only) the other gammas and
+            # catalogs: what they change is acceptance on contexts the draft never saw
+            settings = [(k, args.gammas[0], args.catalogs[0]) for k in args.ks]
+            if population == "held_out":
+                settings += [(max(args.ks), g, c) for g in args.gammas for c in args.catalogs
+                             if (g, c) != (args.gammas[0], args.catalogs[0])]  # fmt: skip
+            for k, gamma, catalog in settings:
+                if catalog and not has_items:
+                    continue
+                result = evaluate_generation(model, part, draft_dir=draft, k=k, gamma=gamma,
+                                             draft_catalog=catalog, report=None)  # fmt: skip
                 row: dict[str, object] = {"draft": draft.name, "population": population,
-                                          "draft_layers": load_checkpoint(draft).config.num_layers,
+                                          "draft_layers": layers, "draft_catalog": catalog,
                                           "on_policy": meta.get("on_policy") or None,
                                           **asdict(result)}  # fmt: skip
                 row["acceptance"] = row.pop("acceptance_rate")
