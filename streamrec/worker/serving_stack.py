@@ -187,7 +187,11 @@ def serving_generation(
             catalog = DraftCatalog(draft_ckpt.model, items)
         log.info(
             "speculative generation",
-            extra={"draft": str(gen.draft_model), "draft_version": draft_ckpt.version},
+            extra={
+                "draft": str(gen.draft_model),
+                "draft_version": draft_ckpt.version,
+                "draft_catalog": 0 if catalog is None else catalog.size,
+            },
         )
     max_users = config.batching.max_batch_users
     rows = [b for b in ROW_BUCKETS if b < 2 * max_users] or [ROW_BUCKETS[0]]
