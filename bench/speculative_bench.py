@@ -51,7 +51,7 @@ from streamrec.pipeline.draft_catalog import DraftCatalog
 from streamrec.pipeline.draft_context import DraftContext
 from streamrec.pipeline.generation_config import GenerationConfig
 from streamrec.pipeline.generation_workspace import ModelGeometry, Workspace
-from streamrec.pipeline.generator import GenerationInputs, Generator, GenModel
+from streamrec.pipeline.generator import Generated, GenerationInputs, Generator, GenModel
 
 MOVIELENS_RESULTS = RESULTS_DIR / "movielens_speculative.json"
 DEFAULT_RATE = 0.5  # acceptance forced when the MovieLens figure is absent
@@ -114,6 +114,20 @@ class ForcedAcceptance(Generator):
         ref = ref_rows.gather(1, at).squeeze(1)
         use = use_rows.gather(1, at).squeeze(1) & (ref >= 0)
         return torch.where(use, ref, item), ids, probs
+
+
+def first_divergence_gap(reference: Generated, got: Generated) -> float | None:
+    """Where a user's speculative items first differ from target-only, the largest gap
+    between the two chosen items' scores over those users (None: all identical). A gap at
+    the scores' rounding (bf16: ~1e-2 of a cosine score near 0.5) says the two runs met a
+    near-tie and broke it apart; a large one would be a wrong verify."""
+    differ = reference.items != got.items  # [B, k]
+    rows = np.flatnonzero(differ.any(axis=1))
+    if len(rows) == 0:
+        return None
+    at = differ[rows].argmax(axis=1)
+    gaps = np.abs(reference.scores[rows, at] - got.scores[rows, at])
+    return round(float(gaps.max()), 6)
 
 
 def _model(cfg: HSTUConfig, device: str, seed: int) -> HSTU:
@@ -313,6 +327,7 @@ def _one(
         )
         got = spec.generate(spec_inputs)
         identical = float((got.items == reference.items).all(axis=1).mean())
+        gap = first_divergence_gap(reference, got)
         if profile and mode == "forced":  # GPU time per kernel of the whole generation
             kernels = {
                 "autoregressive": kernel_profile(partial(ar.generate, inputs), steps=2),
@@ -333,6 +348,7 @@ def _one(
             "ar_tokens_s": round(tokens / ar_ms * 1000.0, 1),
             "spec_tokens_s": round(tokens / spec_ms * 1000.0, 1),
             "ar_target_calls": cfg.k, "spec_rounds": rounds, "identical": identical,
+            "divergence_score_gap": gap,
             "compactions": compactions, "row_rounds": row_rounds,
             "ar_ms_per_step": round(ar_ms / cfg.k, 3),
             "spec_ms_per_round": round(spec_ms / max(rounds + 1.0, 1.0), 3),

@@ -7,16 +7,34 @@ import pytest
 import torch
 
 from bench.reference_config import ReferenceWorkload
-from bench.speculative_bench import _configs, _histories, _model, _one, per_position
+from bench.speculative_bench import (
+    _configs,
+    _histories,
+    _model,
+    _one,
+    first_divergence_gap,
+    per_position,
+)
 from streamrec.offline.generation_evaluation import cached_users
 from streamrec.pipeline.draft_catalog import DraftCatalog
 from streamrec.pipeline.generation_config import GenerationConfig
 from streamrec.pipeline.generation_workspace import ModelGeometry
+from streamrec.pipeline.generator import Generated
 
 TINY = ReferenceWorkload(
     name="tiny", num_layers=2, d_model=16, num_heads=2, head_dim=16, max_seq_len=64,
     num_items=400, dtype="float32", history_median=12,
 )  # fmt: skip
+
+
+def test_the_divergence_gap_is_taken_where_each_user_first_differs() -> None:
+    ref = Generated(np.array([[1, 2, 3], [4, 5, 6]]), np.array([[0.9, 0.8, 0.7], [0.6, 0.5, 0.4]]))
+    same = Generated(ref.items.copy(), ref.scores.copy())
+    assert first_divergence_gap(ref, same) is None
+    other = Generated(
+        np.array([[1, 9, 8], [4, 5, 6]]), np.array([[0.9, 0.79, 0.1], [0.6, 0.5, 0.4]])
+    )
+    assert first_divergence_gap(ref, other) == 0.01  # position 1, not the later 0.6 gap
 
 
 def test_per_position_rate_inverts_the_acceptance_rate() -> None:
