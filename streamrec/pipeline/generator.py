@@ -16,6 +16,9 @@ window-long call per step whatever the history length.
 
 Rows are the batch's users, padded to a power of two when rounds replay as CUDA graphs
 (greedy, CUDA, ``capture``): the padding rows have no cached keys and start finished.
+A greedy speculative batch whose live rows fit in half of its rows moves them into the
+workspace of a smaller power of two (``_compact``); the draft may propose from a catalog
+of items rather than all (``DraftCatalog``). Neither changes an output.
 Sampling runs eagerly (its random draws come from one seeded ``torch.Generator``).
 """
 
