@@ -37,6 +37,7 @@ from streamrec.pipeline.generator import (
     GenerationStats,
     Generator,
     GenModel,
+    consumed_rows,
 )
 from streamrec.pipeline.scorer import Scorer
 from streamrec.pipeline.scoring_config import ScoringConfig
@@ -162,10 +163,7 @@ def evaluate_generation(
         ids = [str(b) for b in range(len(hists))]  # the cache's user keys
         tables, lens = cache.batch_tables(ids)
         seen = [h[:, 0] for h in hists]  # MovieLens never rates a movie twice: exclude all
-        width = max(len(s) for s in seen)
-        consumed = np.full((len(seen), width), -1, np.int64)
-        for b, s in enumerate(seen):
-            consumed[b, : len(s)] = s
+        consumed = consumed_rows(seen)  # [B, E]
         scorer = Scorer(target.model, cache, scoring, cfg.task_names)
         last_ts = [int(h[-1, 2]) for h in hists]
         ranked = scorer.score(user_emb, seen, last_ts, ids).items  # [B, 10]

@@ -27,7 +27,7 @@ from streamrec.offline.datasets import InteractionLog
 from streamrec.offline.generation_evaluation import cached_users, gen_model
 from streamrec.offline.progress import ProgressBar
 from streamrec.pipeline.generation_config import GenerationConfig
-from streamrec.pipeline.generator import GenerationInputs, Generator
+from streamrec.pipeline.generator import GenerationInputs, Generator, consumed_rows
 
 
 @dataclass(frozen=True)
@@ -142,9 +142,7 @@ def _generate(
 ) -> np.ndarray:
     cache, user_emb = cached_users(target.model, contexts)
     tables, lens = cache.batch_tables([str(b) for b in range(len(contexts))])
-    consumed = np.full((len(contexts), max(1, *(len(b) for b in bans))), -1, np.int64)
-    for row, ban in enumerate(bans):
-        consumed[row, : len(ban)] = ban
+    consumed = consumed_rows(bans)  # [B, E]
     last_ts = torch.tensor([int(c[-1, 2]) for c in contexts])
     generator = Generator(gen_model(target), cache.kv, cache.ts, gen_cfg)
     inputs = GenerationInputs(user_emb, tables, lens, last_ts, torch.from_numpy(consumed))

@@ -95,6 +95,16 @@ class GenerationInputs:
     window_lens: torch.Tensor | None = None  # [B] int64
 
 
+def consumed_rows(items: Sequence[np.ndarray]) -> np.ndarray:
+    """Each row's item rows never to generate, right-padded with -1: ``consumed`` [B, E]
+    of ``GenerationInputs`` (at least one column)."""
+    width = max(1, max((len(i) for i in items), default=0))
+    out = np.full((len(items), width), -1, dtype=np.int64)
+    for row, rows in enumerate(items):
+        out[row, : len(rows)] = rows
+    return out
+
+
 @dataclass(frozen=True)
 class Generated:
     items: np.ndarray  # [B, k] int64 item rows, in generation order

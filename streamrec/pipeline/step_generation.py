@@ -19,7 +19,13 @@ import torch
 
 from streamrec.cache.kv_cache import KVCache, to_device
 from streamrec.pipeline.draft_context import DraftContext
-from streamrec.pipeline.generator import Generated, GenerationInputs, GenerationStats, Generator
+from streamrec.pipeline.generator import (
+    Generated,
+    GenerationInputs,
+    GenerationStats,
+    Generator,
+    consumed_rows,
+)
 
 
 class StepUser(Protocol):
@@ -67,10 +73,7 @@ class StepGeneration:
             for w in work:
                 self.context.update(w.user_id, w.tokens, replace=w.prefill)
         tables, lens = self.cache.batch_tables(users)  # [B, MB], [B]
-        width = max(1, max((len(w.recent) for w in work), default=0))
-        consumed = np.full((len(work), width), -1, dtype=np.int64)  # [B, E]
-        for row, w in enumerate(work):
-            consumed[row, : len(w.recent)] = w.recent
+        consumed = consumed_rows([w.recent for w in work])  # [B, E]
         last_ts = np.fromiter((int(w.tokens[-1, 2]) for w in work), np.int64, len(work))
         window = window_lens = None
         if self.context is not None:
