@@ -175,12 +175,14 @@ def per_position(rate: float, gamma: int) -> float:
     return (lo + hi) / 2
 
 
-def _acceptance_from_movielens(k: int) -> float:
-    """The best draft's acceptance rate at ``k`` on MovieLens (or the nearest k), over the
-    users held out of its on-policy training where the file has them."""
+def _acceptance_from_movielens(k: int, gamma: int) -> float:
+    """The best draft's acceptance rate at ``k`` (or the nearest k) and ``gamma`` on
+    MovieLens, whole catalog, over the users held out of its on-policy training where the
+    file has them (the rate falls with gamma: a row of another gamma is another input)."""
     try:
         rows = [r for r in json.loads(MOVIELENS_RESULTS.read_text())["rows"]
-                if r.get("acceptance") is not None]  # fmt: skip
+                if r.get("acceptance") is not None and r.get("gamma", gamma) == gamma
+                and not r.get("draft_catalog")]  # fmt: skip
         if any(r.get("population") == "held_out" for r in rows):
             rows = [r for r in rows if r.get("population") == "held_out"]
         nearest = min(abs(int(r["k"]) - k) for r in rows)
@@ -237,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     small = args.small or not torch.cuda.is_available()
     w, device = (SMALL, "cpu") if small else (HSTU_8L, "cuda")
-    rates = {k: args.acceptance if args.acceptance is not None else _acceptance_from_movielens(k)
-             for k in args.ks}  # fmt: skip
+    rates = {k: args.acceptance if args.acceptance is not None
+             else _acceptance_from_movielens(k, args.gamma) for k in args.ks}  # fmt: skip
     draft_len = max(args.ks) + args.gamma + 1 + 40  # a 40-token window at the largest k
     t_cfg, d_cfg = _configs(w, args.draft_layers, draft_len)
     started = time.perf_counter()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
+from bench import speculative_bench
 from bench.reference_config import ReferenceWorkload
 from bench.speculative_bench import (
     _configs,
@@ -35,6 +38,22 @@ def test_the_divergence_gap_is_taken_where_each_user_first_differs() -> None:
         np.array([[1, 9, 8], [4, 5, 6]]), np.array([[0.9, 0.79, 0.1], [0.6, 0.5, 0.4]])
     )
     assert first_divergence_gap(ref, other) == 0.01  # position 1, not the later 0.6 gap
+
+
+def test_the_forced_rate_is_the_held_out_one_of_the_same_gamma(tmp_path, monkeypatch) -> None:
+    rows = [
+        {"k": 20, "gamma": 4, "population": "all", "draft_catalog": 0, "acceptance": 0.55},
+        {"k": 20, "gamma": 4, "population": "held_out", "draft_catalog": 0, "acceptance": 0.5},
+        {"k": 20, "gamma": 2, "population": "held_out", "draft_catalog": 0, "acceptance": 0.63},
+        {"k": 20, "gamma": 4, "population": "held_out", "draft_catalog": 500, "acceptance": 0.6},
+        {"k": 10, "gamma": 4, "population": "held_out", "draft_catalog": 0, "acceptance": 0.4},
+    ]
+    path = tmp_path / "movielens_speculative.json"
+    path.write_text(json.dumps({"rows": rows}))
+    monkeypatch.setattr(speculative_bench, "MOVIELENS_RESULTS", path)
+    assert speculative_bench._acceptance_from_movielens(20, 4) == 0.5
+    assert speculative_bench._acceptance_from_movielens(16, 2) == 0.63  # the nearest k
+    assert speculative_bench._acceptance_from_movielens(20, 3) == speculative_bench.DEFAULT_RATE
 
 
 def test_per_position_rate_inverts_the_acceptance_rate() -> None:
