@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                             progress=None)  # fmt: skip
     rows: list[dict[str, object]] = []
     for draft in drafts:
-        meta = load_checkpoint(draft).meta.get("training", {})
-        layers = load_checkpoint(draft).config.num_layers
+        ckpt = load_checkpoint(draft)
+        training, layers = ckpt.meta.get("training", {}), ckpt.config.num_layers
         has_items = (draft / DRAFT_ITEMS).exists()
         for population, part in (("all", log), ("held_out", log.subset(unseen))):
             # the default row of each k, then (held-out users only) the other gammas and
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                                              draft_catalog=catalog, report=None)  # fmt: skip
                 row: dict[str, object] = {"draft": draft.name, "population": population,
                                           "draft_layers": layers, "draft_catalog": catalog,
-                                          "on_policy": meta.get("on_policy") or None,
+                                          "on_policy": training.get("on_policy") or None,
                                           **asdict(result)}  # fmt: skip
                 row["acceptance"] = row.pop("acceptance_rate")
                 rows.append(row)
