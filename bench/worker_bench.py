@@ -207,6 +207,10 @@ class Bench:
         if "events_per_s" in producer:
             row["producer_events_per_s"] = producer["events_per_s"]
             row["producer_max_lag_ms"] = round(producer["max_lag_ms"], 1)
+            row["producer_gc_full"] = {
+                "count": int(producer.get("gc_full_count", 0)),
+                "max_ms": round(producer.get("gc_full_max_ms", 0.0), 1),
+            }
             row["producer_ms"] = {
                 k: round(v, 2) for k, v in producer.items() if k.startswith("append_")
             }

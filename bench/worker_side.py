@@ -17,7 +17,6 @@ one they measure.
 from __future__ import annotations
 
 import asyncio
-import gc
 import inspect
 import multiprocessing as mp
 import os
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from bench.engine_bench import _model, _preload
+from bench.gc_pauses import GcPauses
 from bench.loop_profiler import CallbackTime, LoopProfiler, busy_share, merge, summary
 from bench.null_model import null_checkpoint_parts
 from bench.reference_config import ReferenceWorkload
@@ -177,27 +177,6 @@ class FetchProbe:
     def ages(self, start: float, end: float) -> np.ndarray:
         parts = [ages for mono, ages in self.chunks if start <= mono < end]
         return np.concatenate(parts) if parts else np.zeros(0)
-
-
-class GcPauses:
-    """Every full (generation-2) collection of this process: when it began (monotonic s)
-    and how long the whole process stood still for it (ms)."""
-
-    def __init__(self) -> None:
-        self.pauses: list[tuple[float, float]] = []
-        self._began = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if info["generation"] != 2:
-            return
-        if phase == "start":
-            self._began = time.monotonic()
-        else:
-            self.pauses.append((self._began, (time.monotonic() - self._began) * 1000.0))
-
-    def durations(self, start: float, end: float) -> np.ndarray:
-        return np.array([ms for began, ms in self.pauses if start <= began < end])
 
 
 def gc_summary(stages: dict[str, np.ndarray]) -> Row:

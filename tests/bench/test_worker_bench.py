@@ -1,9 +1,11 @@
+import gc
 import json
 
 import numpy as np
 import pytest
 
 from bench.event_producer import Job
+from bench.gc_pauses import GcPauses, freeze_startup_heap
 from bench.worker_bench import EventBook, main
 
 
@@ -46,6 +48,8 @@ def test_worker_bench_runs_end_to_end_on_the_dev_broker(tmp_path) -> None:
     assert 0 <= latency["producer_ms"]["append_lag_p50_ms"] <= latency["e2p_p50_ms"]
     assert 0 < latency["split_ms"]["transit_p50_ms"] < latency["e2p_max_ms"]
     assert latency["gc_full"]["count"] >= 0
+    # the producer's heap is frozen at start: no full collection walks torch's objects
+    assert latency["producer_gc_full"]["max_ms"] < 50.0
     assert document["meta"]["kv_blocks"] > 0 and document["meta"]["device"] == "cpu"
 
 
@@ -98,3 +102,18 @@ def test_process_kv_budget_covers_the_largest_partition_range() -> None:
     assert blocks == max(by_part[0] + by_part[1], by_part[2]) + 64
     total, one = process_kv_budget(HSTU_3L, plan, Geometry(), 3, 1)  # type: ignore[arg-type]
     assert one == int(per_user.sum()) + 64 and total == one * 10
+
+
+def test_a_frozen_heap_is_out_of_the_full_collections_reach() -> None:
+    pauses = GcPauses()
+    held = [[i] for i in range(200_000)]  # a start-up heap: tracked containers
+    freeze_startup_heap()
+    try:
+        before = len(pauses.pauses)
+        gc.collect()
+        assert gc.get_freeze_count() >= len(held)  # no later collection walks them
+        assert len(pauses.pauses) == before + 1  # each full collection is timed
+        assert pauses.pauses[-1][1] >= 0.0
+    finally:
+        gc.unfreeze()
+        gc.callbacks.remove(pauses._callback)
