@@ -19,6 +19,15 @@ Rows "forced-uncompacted" run the same forced draws with the generator's compact
 one run shows what compaction saves; rows "forced-catalog" the same with the draft
 proposing among ``--draft-catalog`` rows (``generation.draft_catalog``) instead of all.
 
+The forced items are first the target-only run's. In bf16 over 1M random items a user's
+speculative output can leave that sequence at a near-tie (the verify computes γ + 1
+positions in one call, target-only one; the H200's eleventh-session run: 23 of 64 users at
+k = 20), and from there on it is offered another sequence's items and rejects nearly all,
+so the acceptance reached fell to 0.30 against 0.50 forced. Before timing, the forced
+items are therefore re-seated on the speculative run's own output (the same draws) until
+it reproduces them, at most ``REFERENCE_PASSES`` untimed runs; ``identical`` still
+compares with the target-only run, and ``reference_passes`` says how many it took.
+
 H200 (~1-2 min): ``python3 -m bench.speculative_bench --out $OUT``; CPU smoke test:
 ``.venv/bin/python -m bench.speculative_bench --small``. Writes
 bench/results/h200_speculative.json (``--small``: speculative_small_cpu.json) with rows
@@ -55,6 +64,7 @@ from streamrec.pipeline.generator import Generated, GenerationInputs, Generator,
 
 MOVIELENS_RESULTS = RESULTS_DIR / "movielens_speculative.json"
 DEFAULT_RATE = 0.5  # acceptance forced when the MovieLens figure is absent
+REFERENCE_PASSES = 4  # untimed runs that re-seat the forced items (module docstring)
 SMALL = ReferenceWorkload(
     name="small", num_layers=3, d_model=32, num_heads=2, head_dim=16, max_seq_len=256,
     num_items=5_000, dtype="float32", history_median=60,
@@ -77,9 +87,19 @@ class ForcedAcceptance(Generator):
         cap = k + 2 * self.config.gamma + 1
         self._ref = torch.full((rows, cap), -1, dtype=torch.int64, device=self.device)
         self._ref[:, :k] = items
+        self._k = k
         gen = torch.Generator().manual_seed(seed)
         self._use = (torch.rand(rows, cap, generator=gen) < alpha).to(self.device)
         self._by_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forced_items(self) -> np.ndarray:
+        """[B, k] the items forced now."""
+        return self._ref[:, : self._k].cpu().numpy()
+
+    def reseat(self, items: torch.Tensor) -> None:
+        """Force ``items`` [B, k] instead, with the same draws. In place: each generation
+        refills the captured rounds' buffers from this one."""
+        self._ref[:, : items.shape[1]] = items
 
     def _rows_of(self, rows: int, home: torch.Tensor) -> None:
         """Point the buffers of ``rows``-row workspaces at the reference rows ``home``."""
@@ -327,7 +347,12 @@ def _one(
         spec_inputs = GenerationInputs(
             user_emb[:batch], tables, lens, last_ts, consumed, window, window_lens
         )
-        got = spec.generate(spec_inputs)
+        got, passes = spec.generate(spec_inputs), 1
+        while isinstance(spec, ForcedAcceptance) and passes < REFERENCE_PASSES:
+            if np.array_equal(got.items, spec.forced_items()):
+                break
+            spec.reseat(torch.from_numpy(got.items).to(device))
+            got, passes = spec.generate(spec_inputs), passes + 1
         identical = float((got.items == reference.items).all(axis=1).mean())
         gap = first_divergence_gap(reference, got)
         if profile and mode == "forced":  # GPU time per kernel of the whole generation
@@ -351,6 +376,7 @@ def _one(
             "spec_tokens_s": round(tokens / spec_ms * 1000.0, 1),
             "ar_target_calls": cfg.k, "spec_rounds": rounds, "identical": identical,
             "divergence_score_gap": gap,
+            "reference_passes": passes if isinstance(spec, ForcedAcceptance) else 0,
             "compactions": compactions, "row_rounds": row_rounds,
             "ar_ms_per_step": round(ar_ms / cfg.k, 3),
             "spec_ms_per_round": round(spec_ms / max(rounds + 1.0, 1.0), 3),
