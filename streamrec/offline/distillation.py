@@ -15,7 +15,6 @@ that does not match.
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TextIO
@@ -31,7 +30,14 @@ from streamrec.models.hstu import HSTU, HSTULayer
 from streamrec.offline.datasets import InteractionLog
 from streamrec.offline.progress import ProgressBar
 from streamrec.offline.rollouts import Rollouts, batches, roll_out
-from streamrec.offline.training import FitStats, TrainConfig, TrainResult, deterministic, fit
+from streamrec.offline.training import (
+    FitStats,
+    TrainConfig,
+    TrainingSteps,
+    TrainResult,
+    deterministic,
+    fit,
+)
 from streamrec.pipeline.draft_catalog import save_draft_items
 from streamrec.pipeline.generation_config import GenerationConfig
 
@@ -167,13 +173,10 @@ def _fit_rollouts(
     """Cross-entropy of the target's greedy item at each generated position, over the
     items the generator leaves retrievable there (consumed and emitted ones masked out):
     greedy acceptance is exactly top-1 agreement under that mask."""
-    started = time.monotonic()
     rng = np.random.default_rng(cfg.seed + 1)
     first = draft.config.first_item_row
     device = torch.device(cfg.device)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=draft_cfg.rollout_lr, weight_decay=cfg.weight_decay)
-    steps, tokens, loss_avg = 0, 0, float("nan")
+    run = TrainingSteps(draft, draft_cfg.rollout_lr, cfg.weight_decay)
     n_batches = -(-len(rollouts) // cfg.batch_size)
     draft.train()
     for epoch in range(draft_cfg.rollout_epochs):
@@ -191,22 +194,13 @@ def _fit_rollouts(
                 (rows, items - first), torch.tensor(-torch.inf, device=device)
             )
             labels = batch.next_items.to(device)[mask] - first  # [P]
-            loss = F.cross_entropy(logits, labels)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            steps += 1
-            tokens += int(batch.valid.sum())
+            run.step(F.cross_entropy(logits, labels), int(batch.valid.sum()))
             agree += int((logits.detach().argmax(1) == labels).sum())
             positions += len(labels)
-            value = float(loss.detach())
-            loss_avg = value if steps == 1 else 0.95 * loss_avg + 0.05 * value
-            bar.update(i + 1, loss=loss_avg, top1=agree / max(1, positions))
+            bar.update(i + 1, loss=run.loss_avg, top1=agree / max(1, positions))
         bar.close()
     draft.eval()
-    return FitStats(
-        steps, tokens, loss_avg, time.monotonic() - started, epochs=draft_cfg.rollout_epochs
-    )
+    return run.stats(epochs=draft_cfg.rollout_epochs)
 
 
 def train_draft(

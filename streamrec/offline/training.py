@@ -301,6 +301,36 @@ class FitStats:
     validation: tuple[float, ...] = ()  # validation NDCG@10 after each epoch
 
 
+class TrainingSteps:
+    """AdamW over a model's trainable parameters, and the running figures every training
+    loop here reports (steps, tokens, the loss's moving average, time): one place for the
+    update, whatever each loop batches and minimises."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float) -> None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        self._started = time.monotonic()
+        self.steps = 0
+        self.tokens = 0
+        self.loss_avg = float("nan")
+
+    def step(self, loss: torch.Tensor, tokens: int) -> None:
+        self._opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self._opt.step()
+        self.steps += 1
+        self.tokens += tokens
+        value = float(loss.detach())
+        self.loss_avg = value if self.steps == 1 else 0.95 * self.loss_avg + 0.05 * value
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(time.monotonic() - self._started, 1e-9)
+
+    def stats(self, epochs: int, **extra: Any) -> FitStats:
+        seconds = time.monotonic() - self._started
+        return FitStats(self.steps, self.tokens, self.loss_avg, seconds, epochs=epochs, **extra)
+
+
 @contextmanager
 def deterministic(seed: int, threads: int, device: str) -> Iterator[None]:
     """Seed every RNG from ``seed``, fix the thread count, and (CPU) allow only
@@ -341,15 +371,10 @@ def fit(
     (a score, higher is better) the best epoch's weights are loaded back at the end and
     the loop stops ``cfg.patience`` epochs after it (never, with patience 0).
     """
-    started = time.monotonic()
     rng = np.random.default_rng(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     device = torch.device(cfg.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps = 0
-    tokens = 0
-    loss_avg = float("nan")
+    run = TrainingSteps(model, cfg.lr, cfg.weight_decay)
     scores: list[float] = []
     best_state: dict[str, torch.Tensor] | None = None
     best_epoch = 0
@@ -363,16 +388,8 @@ def fit(
             chunk = windows[i * cfg.batch_size : (i + 1) * cfg.batch_size]
             batch = _batch(chunk, part.offsets, rows, part.actions, part.ts_ms)
             batch = {k: v.to(device) for k, v in batch.items()}
-            loss = loss_fn(model, batch, gen)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            steps += 1
-            tokens += int(batch["valid"].sum())
-            value = float(loss.detach())
-            loss_avg = value if steps == 1 else 0.95 * loss_avg + 0.05 * value
-            elapsed = max(time.monotonic() - started, 1e-9)
-            bar.update(i + 1, loss=loss_avg, tok_s=tokens / elapsed)
+            run.step(loss_fn(model, batch, gen), int(batch["valid"].sum()))
+            bar.update(i + 1, loss=run.loss_avg, tok_s=run.tokens_per_s())
         bar.close()
         if validate is None:
             continue
@@ -388,10 +405,7 @@ def fit(
     if best_state is not None:
         model.load_state_dict(best_state)
     model.eval()
-    return FitStats(
-        steps, tokens, loss_avg, time.monotonic() - started,
-        epochs=epoch + 1, best_epoch=best_epoch, validation=tuple(scores),
-    )  # fmt: skip
+    return run.stats(epochs=epoch + 1, best_epoch=best_epoch, validation=tuple(scores))
 
 
 @dataclass(frozen=True)
