@@ -115,7 +115,8 @@ class Workspace:
         self.d_kv, self.d_ts = geometry.scratch(rows if draft is not None else 0, span, device)
         self.d_pool = geometry.empty_pool(rows, device)
 
-    # Per-row buffers and the axis of their rows (``take`` copies exactly these).
+    # Per-row buffers and the axis of their rows (``take`` copies exactly these; a test
+    # checks that every tensor with a row axis is listed).
     ROW_AXES = (("emb", 0), ("tables", 0), ("lens", 0), ("last_ts", 0), ("consumed", 0),
                 ("real", 0), ("gen", 0), ("gen_scores", 0), ("m", 0), ("t_kv", 2), ("t_ts", 0),
                 ("window_tokens", 0), ("window_lens", 0), ("draft", 0), ("d_kv", 2),
