@@ -16,10 +16,11 @@ window-long call per step whatever the history length.
 
 Rows are the batch's users, padded to a power of two when rounds replay as CUDA graphs
 (greedy, CUDA, ``capture``): the padding rows have no cached keys and start finished.
-A greedy speculative batch whose live rows fit in half of its rows moves them into the
-workspace of a smaller power of two (``_compact``); the draft may propose from a catalog
-of items rather than all (``DraftCatalog``). Neither changes an output.
-Sampling runs eagerly (its random draws come from one seeded ``torch.Generator``).
+A speculative batch whose live rows fit in half of its rows moves them into the workspace
+of a smaller power of two (``_compact``); the draft may propose from a catalog of items
+rather than all (``DraftCatalog``). Neither changes a greedy output.
+Sampling runs eagerly (its random draws come from one seeded ``torch.Generator``; after a
+compaction they come in the smaller shape, equally distributed).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class Generator:
         # Narrower block tables and exclusion lists are padded to these widths, so one
         # workspace (and one set of graphs) per row count serves every batch.
         self.max_blocks, self.max_consumed = max_blocks, max_consumed
-        self.compact = compact  # greedy speculative rows that finish leave the batch
+        self.compact = compact  # speculative rows that finish leave the batch
         self.draft_catalog = draft_catalog  # the draft proposes among these items only
         if draft_catalog is not None and (draft is None or draft_catalog.size < config.candidates):
             raise ConfigError(
@@ -214,7 +215,7 @@ class Generator:
         )
 
     def _speculate(self, home: Workspace) -> None:
-        """Rounds until every row has k items. Greedy batches move their live rows into a
+        """Rounds until every row has k items. Batches move their live rows into a
         smaller workspace once they fit in half of it (``_compact``): a batch runs as many
         rounds as its slowest row, and the rows that finished early would otherwise cost
         every later round as much as the live ones."""
@@ -226,7 +227,7 @@ class Generator:
                 live = int(ws.live().sum())  # the round's one host sync
                 if not live:
                     break
-                if self.compact and self.config.greedy and _bucket(live) <= ws.rows // 2:
+                if self.compact and _bucket(live) <= ws.rows // 2:
                     ws, index = self._compact(home, ws, index)
             if round_no == 0:
                 self._run("open", ws, lambda w: self._round(w, opening=True))
