@@ -25,10 +25,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from bench.gc_pauses import GcPauses, freeze_startup_heap
+from bench.gc_pauses import GcPauses
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import PlaybackEvent
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
+from streamrec.worker.interpreter import freeze_heap
 
 IntArray = npt.NDArray[np.int64]
 _PLAYED_MS, _DURATION_MS = 190_000, 200_000  # every event is a complete playback
@@ -48,7 +49,7 @@ def producer_process(
     bootstrap: str, topic: str, num_items: int, partitions: int, conn: Connection
 ) -> None:
     """The spawned producer: runs the jobs read from ``conn`` until None comes."""
-    freeze_startup_heap()  # else a full collection stalled this producer 133 ms (CPU) at 5,000/s
+    freeze_heap()  # else a full collection stalled this producer 133 ms (CPU) at 5,000/s
     asyncio.run(_producer_loop(bootstrap, topic, num_items, partitions, conn, GcPauses()))
 
 

@@ -4,7 +4,8 @@ process, so a producer or worker that pays one holds every event in flight for i
 The bench's spawned children (worker processes, the event producer) re-import the bench's
 main module, torch and the model code with it: ~200,000 objects that every full collection
 walks (100-210 ms on the H200 host and the CPU machine alike, the ninth session's
-measurement) unless the process freezes its start-up heap first (``freeze_startup_heap``).
+measurement) unless the process freezes its start-up heap first, as a worker does
+(``streamrec.worker.interpreter.freeze_heap``).
 """
 
 from __future__ import annotations
@@ -13,13 +14,6 @@ import gc
 import time
 
 import numpy as np
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive now out of the collector's reach (``streamrec run`` and the
-    bench workers do the same once started)."""
-    gc.collect()
-    gc.freeze()
 
 
 class GcPauses:

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from bench.event_producer import Job
-from bench.gc_pauses import GcPauses, freeze_startup_heap
+from bench.gc_pauses import GcPauses
 from bench.worker_bench import EventBook, main
+from streamrec.worker.interpreter import freeze_heap
 
 
 def test_event_book_maps_versions_past_the_preload_to_timed_events() -> None:
@@ -107,7 +108,7 @@ def test_process_kv_budget_covers_the_largest_partition_range() -> None:
 def test_a_frozen_heap_is_out_of_the_full_collections_reach() -> None:
     pauses = GcPauses()
     held = [[i] for i in range(200_000)]  # a start-up heap: tracked containers
-    freeze_startup_heap()
+    freeze_heap()
     try:
         before = len(pauses.pauses)
         gc.collect()
