@@ -282,9 +282,7 @@ async def run_demo(cfg: DemoConfig, config: WorkerConfig, source: DemoSource,
             await broker.create_topics_async(
                 {t.playback: n, t.interaction: n, t.output: n, t.dead_letter: 1}
             )
-            # this process serves the one worker (its producer and report beside it): its
-            # start-up heap (torch, the model) frozen, as `streamrec run` does
-            app = App(config, model=loaded, store=store, on_published=published, freeze_heap=True)
+            app = App(config, model=loaded, store=store, on_published=published)
             worker = asyncio.create_task(app.run())
             try:
                 async with AIOKafkaProducer(
