@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|workers|mps|e2p|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -125,6 +125,17 @@ for stage in "$@"; do
         (cd "$dir" && timeout 170 python3 -m bench.worker_bench $w8 ${E2P_FLAGS:-} \
           --results-dir "$OUT/e2p/$tree" 2>&1 | grep -E "^(throughput|latency|loop) |Error" | tail -6)
       done ;;
+    backlog)  # issue 13's "engine busy >= 85 %": a backlog long enough to read it on (the
+      # e2p stage's 60,000 events last < 1 s at ~68,000/s, mostly ramp), plus one paced
+      # rate; after tree only, packages as for e2p (carried .carry/bench-aoti.tgz or built)
+      mkdir -p "$OUT/backlog"
+      [ ! -d .streamrec-cache/bench-aoti ] && [ -f .carry/bench-aoti.tgz ] && tar xzf .carry/bench-aoti.tgz
+      [ -d .streamrec-cache/bench-aoti ] || python3 -m bench.aoti_packages --workloads HSTU-8L \
+        > "$OUT/backlog/packages.log" 2>&1
+      timeout 200 python3 -m bench.worker_bench --config hstu-8l --device cuda --aoti \
+        --users 2000 --events 200000 --rates 5000 --seconds 5 --drain-s 8 \
+        --max-batch-users 256 --partitions 12 --warm-wave 256 --processes 3 \
+        --results-dir "$OUT/backlog" 2>&1 | grep -E "^(throughput|latency) |Error" | tail -4 ;;
     worker|worker-eager|worker-aoti)  # (e): the whole worker with the dev broker here
       flags=""; [ "$stage" = worker-eager ] && flags="--no-cuda-graphs"
       [ "$stage" = worker-aoti ] && flags="--aoti"  # AOTI packages in CUDA graphs (issue 15)
