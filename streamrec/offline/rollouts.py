@@ -39,12 +39,16 @@ class Rollouts:
     windows: tuple[np.ndarray, ...]
     excluded: tuple[np.ndarray, ...]
     items: np.ndarray  # [S, k] int64 item rows
-    last_ts: np.ndarray  # [S] int64: the newest event's timestamp before each cut
     action_id: int  # the action the generated items were fed back with
     time_step_ms: int  # generated item j's timestamp: last_ts + j * time_step_ms
 
     def __len__(self) -> int:
         return len(self.windows)
+
+    @property
+    def last_ts(self) -> np.ndarray:
+        """[S] int64: the newest event's timestamp before each cut (its window's last)."""
+        return np.array([w[-1, 2] for w in self.windows], np.int64)
 
     @property
     def k(self) -> int:
@@ -128,7 +132,6 @@ def roll_out(
         windows=tuple(windows),
         excluded=tuple(excluded),
         items=np.concatenate(generated) if generated else np.zeros((0, k), np.int64),
-        last_ts=np.array([w[-1, 2] for w in windows], np.int64),
         action_id=gen_cfg.action_id,
         time_step_ms=gen_cfg.time_step_ms,
     )
@@ -193,7 +196,7 @@ def batches(
             items[r, :n], actions[r, :n], ts[r, :n] = win[:, 0], win[:, 1], win[:, 2]
             items[r, n : n + k] = gen
             actions[r, n : n + k] = rollouts.action_id
-            ts[r, n : n + k] = rollouts.last_ts[i] + np.arange(1, k + 1) * rollouts.time_step_ms
+            ts[r, n : n + k] = win[-1, 2] + np.arange(1, k + 1) * rollouts.time_step_ms
             valid[r, : n + k] = True
             target[r, n : n + k - 1] = True
             next_items[r, n : n + k - 1] = gen[1:]

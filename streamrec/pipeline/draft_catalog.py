@@ -76,12 +76,13 @@ class DraftCatalog:
         self.local = torch.full((cfg.num_items,), -1, dtype=torch.int64, device=device)
         self.local[picked] = torch.arange(first, first + len(rows), device=device)
         self.size = len(rows)
+        self._draft = draft
 
     def retrieve(
-        self, draft: HSTU, user_emb: torch.Tensor, k: int, exclude: torch.Tensor
+        self, user_emb: torch.Tensor, k: int, exclude: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of the catalog for user_emb [R, D]; exclude [R, E] item rows (-1: none).
         Returns scores and *item rows* [R, k], as ``HSTU.retrieve`` does."""
         local = torch.where(exclude >= 0, self.local[exclude.clamp(min=0)], -1)  # [R, E]
-        scores, ids = draft.retrieve(user_emb, k, local, table=self.table)
+        scores, ids = self._draft.retrieve(user_emb, k, local, table=self.table)
         return scores, self.rows[ids]

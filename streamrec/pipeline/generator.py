@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from streamrec.errors import ConfigError, PipelineError
-from streamrec.models.hstu import HSTU
 from streamrec.pipeline.draft_catalog import DraftCatalog
 from streamrec.pipeline.generation_config import GenerationConfig
 from streamrec.pipeline.generation_workspace import ModelGeometry, Workspace, write_scratch
@@ -456,24 +455,15 @@ class Generator:
         emb = self._draft_call(ws, items, actions, self._token_ts(ws, index), start)
         return emb[:, 1], start + 2
 
-    def _draft_retrieve(
-        self, emb: torch.Tensor, k: int, exclude: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The draft's retrieval: over its catalog when it has one (``DraftCatalog``)."""
-        assert self.draft is not None
-        if self.draft_catalog is None:
-            return self.draft.model.retrieve(emb, k, exclude)
-        model = self.draft.model
-        assert isinstance(model, HSTU)  # a catalog is built from the eager draft
-        return self.draft_catalog.retrieve(model, emb, k, exclude)
-
     def _propose(
         self, ws: Workspace, j: int, query: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The draft's item for position m + j from its query [R, D]: (item, ids, probs)."""
         assert self.draft is not None
         exclude = torch.cat([ws.emitted(), ws.draft[:, :j]], dim=1)
-        item, _, ids, probs = self._choose(self._draft_retrieve, query, exclude)
+        catalog = self.draft_catalog  # the draft proposes from it when it has one
+        retrieve = self.draft.model.retrieve if catalog is None else catalog.retrieve
+        item, _, ids, probs = self._choose(retrieve, query, exclude)
         return item, ids, probs
 
     def _round(self, ws: Workspace, opening: bool) -> None:

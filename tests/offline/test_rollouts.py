@@ -89,7 +89,7 @@ def test_a_batch_excludes_consumed_and_earlier_generated_items() -> None:
     window = np.array([[11, 1, 2_000], [12, 1, 3_000]], np.int64)
     rollouts = Rollouts(
         windows=(window,), excluded=(np.array([10, 11, 12]),), items=np.array([[20, 21, 22]]),
-        last_ts=np.array([3_000]), action_id=3, time_step_ms=500,
+        action_id=3, time_step_ms=500,
     )  # fmt: skip
     (batch,) = batches(rollouts, batch_size=4, rng=np.random.default_rng(0))
     assert batch.items.tolist() == [[11, 12, 20, 21, 22]]  # the window, then the items

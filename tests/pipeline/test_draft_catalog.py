@@ -29,7 +29,7 @@ def test_catalog_retrieval_is_the_full_retrieval_restricted_to_the_catalog() -> 
     catalog = DraftCatalog(draft, rows)
     emb = torch.nn.functional.normalize(torch.randn(4, draft.config.d_model), dim=-1)
     exclude = torch.tensor([[7, -1], [40, 13], [-1, -1], [59, 3]])  # 59, 3: not in it
-    scores, items = catalog.retrieve(draft, emb, 3, exclude)
+    scores, items = catalog.retrieve(emb, 3, exclude)
     # the reference: every row outside the catalog excluded too
     table = draft.retrieval_table.get(draft.item_emb.weight)
     outside = np.setdiff1d(np.arange(first, draft.config.num_items), rows)
