@@ -1,12 +1,14 @@
-"""Retrieval top-256 over 1M items x 512 (bf16) on the H200: mm + topk vs the fused op.
+"""Retrieval top-256 over 1M items x 512 (bf16) on the H200: mm + topk, the fused
+kernels and the score scan (the op since the twelfth session).
 
-Both run inside CUDA graphs (``graphed``: one replay per call), with 16 exclusions per
+All run inside CUDA graphs (``graphed``: one replay per call), with 16 exclusions per
 user and the first 17 rows blocked (the model's padding and OOV rows), as
-``HSTU.retrieve`` does. Rows: ``op`` = ``retrieve`` with ``impl`` ``mm_topk`` or
-``fused`` (µs per call and per user, speedup against mm + topk, how many of the fused
-op's rows differ from topk's — ties at the k-th score — and the fused op's candidates per
-user), then ``retrieve_sweep`` rows: other tile shapes of the fused kernels at one batch.
-Target (issue 14): <= 3 µs per user at batch 256.
+``HSTU.retrieve`` does. Rows: ``op`` = ``retrieve`` with ``impl`` ``mm_topk``,
+``mm_only`` (the GEMM alone: the scan's floor), ``fused`` (``retrieval.launch_retrieval``)
+or ``scan`` (``score_scan.launch_score_scan``): µs per call and per user, speedup against
+mm + topk, TFLOP/s of the GEMM part, how many rows differ from topk's — ties at the k-th
+score — and candidates kept per user; then ``retrieve_sweep`` rows: other tile shapes of
+the fused kernels at one batch. Target (issue 14): <= 3 µs per user at batch 256.
 
     python -m bench.retrieval_bench [--batches 1 8 64 256] [--iters 30] [--out DIR]
 
@@ -32,7 +34,8 @@ import torch.nn.functional as F
 
 from bench._report import print_table, write_results
 from bench.h200_common import graphed, pct, time_ms
-from streamrec.models import retrieval
+from streamrec.models import retrieval, score_scan
+from streamrec.models.topk_merge import MERGE_WINDOW
 
 NUM_ITEMS = 1_000_000
 DIM = 512
@@ -68,27 +71,35 @@ def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
 def batch_rows(
     table: torch.Tensor, batch: int, iters: int, k: int = K
 ) -> tuple[list[dict[str, object]], float]:
-    """The two rows of one batch size, and mm + topk's µs per call."""
+    """The rows of one batch size (mm + topk, mm alone, the fused kernels, the op's score
+    scan), and mm + topk's µs per call."""
     users, exclude = _inputs(table, batch, seed=batch)
     rows: list[dict[str, object]] = []
     base = _us(lambda: retrieval.retrieve_reference(users, table, exclude, k, FIRST), iters)
-    rows.append(
-        {"op": "retrieve", "impl": "mm_topk", "batch": batch, "us": round(base, 1),
-         "us_per_user": round(base / batch, 2), "speedup_vs_mm_topk": 1.0}
-    )  # fmt: skip
-    try:
-        fused = _us(lambda: retrieval.fused_retrieve(users, table, exclude, k, FIRST), iters)
-        want = retrieval.retrieve_reference(users, table, exclude, k, FIRST)[1]
-        got = retrieval.fused_retrieve(users, table, exclude, k, FIRST)[1]
-        counts = retrieval.launch_retrieval(users, table, exclude, k, FIRST)[2].sum(1)
-        rows.append(
-            {"op": "retrieve", "impl": "fused", "batch": batch, "us": round(fused, 1),
-             "us_per_user": round(fused / batch, 2),
-             "speedup_vs_mm_topk": round(base / fused, 2), "rows_differ": _differ(got, want),
-             "candidates_per_user": round(float(counts.float().mean()), 0)}
-        )  # fmt: skip
-    except Exception:  # report and go on: the baseline rows still count
-        traceback.print_exc()
+    want = retrieval.retrieve_reference(users, table, exclude, k, FIRST)[1]
+    flop = 2.0 * batch * table.shape[0] * table.shape[1]
+
+    def row(impl: str, us: float, **extra: object) -> dict[str, object]:
+        return {"op": "retrieve", "impl": impl, "batch": batch, "us": round(us, 1),
+                "us_per_user": round(us / batch, 2), "speedup_vs_mm_topk": round(base / us, 2),
+                "tflops": round(flop / us / 1e6, 1), **extra}  # fmt: skip
+
+    rows.append(row("mm_topk", base))
+    rows.append(row("mm_only", _us(lambda: users @ table[FIRST:].t(), iters)))
+    impls: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+        "fused": partial(retrieval.launch_retrieval, users, table, exclude, k, FIRST),
+        "scan": partial(score_scan.launch_score_scan, users, table, exclude, k, FIRST),
+    }
+    for impl, run in impls.items():
+        try:
+            us = _us(run, iters)
+            _, got, counts = run()
+            rows.append(
+                row(impl, us, rows_differ=_differ(got, want),
+                    candidates_per_user=round(float(counts.sum(1).float().mean()), 0))
+            )  # fmt: skip
+        except Exception:  # report and go on: the other rows still count
+            traceback.print_exc()
     return rows, base
 
 
@@ -152,7 +163,7 @@ def main() -> int:
                 b: str(retrieval.default_config(b, torch.bfloat16, args.dim)) for b in args.batches
             },
             "sample_every": retrieval.SAMPLE_EVERY,
-            "merge_window": retrieval.MERGE_WINDOW,
+            "merge_window": MERGE_WINDOW,
         },
         "wall_s": round(time.perf_counter() - t0, 1),
     }

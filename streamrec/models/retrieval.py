@@ -1,10 +1,14 @@
 # mypy: disable-error-code="no-untyped-def"
 # (Triton reads the annotations of @jit kernels, so their parameters stay unannotated.)
-"""Retrieval top-k over the item table without a ``[B, V]`` score tensor (issue 14).
+"""Retrieval top-k over the item table: the op, and the fused kernels it used to run.
 
-``mm`` + ``topk`` writes the scores once (512 MB at batch 256 over 1M items) and the radix
-select reads them several times: on the H200 top-k was ~80 % of retrieval. Here three
-Triton kernels keep the scores in registers and write only candidates:
+The op ``streamrec::retrieve_topk`` (``fused_retrieve``) serves ``HSTU.retrieve`` and the
+retrievable set on CUDA with Triton. Since the twelfth session it runs ``score_scan.py``:
+cuBLAS writes the scores once per item chunk and one scan keeps the candidates, because
+this module's kernels — a Triton GEMM with a top-k epilogue, scores never written — ran
+at ~175 TFLOP/s on the H200 (a quarter of cuBLAS's rate). They stay here, measured side
+by side in ``bench/retrieval_bench.py`` (``launch_retrieval``), until the H200 rows say
+which to keep. Their algorithm:
 
 1. **Threshold.** A sample — every ``SAMPLE_EVERY``-th tile of ``BLOCK_V`` items — is
    scored and the maximum of each group of ``SAMPLE_GROUP`` items kept. The
@@ -16,19 +20,19 @@ Triton kernels keep the scores in registers and write only candidates:
    own region of a scratch buffer. A region that fills up keeps its top ``KEEP`` entries
    (``tl.topk``) and raises that user's threshold to the ``KEEP``-th score: the chunk is
    walked in item order, so a later item with an equal score ranks below all of them.
-3. **Merge.** One program per user walks its candidates in windows, turns excluded items
-   into ``-inf`` and keeps the top k (``tl.topk`` of the window, then of the union).
+3. **Merge** (``topk_merge.py``). One program per user walks its candidates in windows,
+   turns excluded items into ``-inf`` and keeps the top k.
 
-The result is exact — the same set as ``torch.topk`` over the masked scores — for every
-input, with fixed shapes and no host synchronisation, so the op is captured in CUDA
-graphs and exported into AOTInductor (``triton_op`` + ``wrap_triton``). Ranking uses a
-64-bit key: the fp32 score (order-preserving bits) above the complemented item index, so
-the order is score descending, then item index ascending. ``torch.topk`` breaks ties in
-no documented way and, in bf16, ranks the bf16-rounded scores; at the k-th place the two
-may pick different items of equal score. Returned scores are the fp32 accumulation
-rounded once to the input dtype. NaN scores (non-finite user embeddings) never qualify.
-The scores of the threshold pass and of the select pass come from the same tile code; a
-margin of ``D * 2**-23 * |u|`` (unit-norm item rows) covers any difference in rounding.
+Both are exact — the same set as ``torch.topk`` over the masked scores — for every input,
+with fixed shapes and no host synchronisation, so the op is captured in CUDA graphs and
+exported into AOTInductor (``triton_op`` + ``wrap_triton``). Ranking uses a 64-bit key
+(``topk_merge.pack_keys``): score descending, then item index ascending. ``torch.topk``
+breaks ties in no documented way; at the k-th place the two may pick different items of
+equal score. The fused kernels rank fp32 accumulations and return them rounded once to the
+input dtype; the scan ranks what ``mm`` returns (the same rounding). NaN scores
+(non-finite user embeddings) never qualify. In the fused kernels the scores of the
+threshold pass and of the select pass come from the same tile code; a margin of ``D *
+2**-23 * |u|`` (unit-norm item rows) covers any difference in rounding.
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from streamrec.errors import ModelError
+from streamrec.models.topk_merge import (
+    DEFAULT_SMS,
+    EXCLUDE_STEPS,
+    MERGE_WINDOW,
+    next_pow2,
+    sample_threshold,
+    sorted_exclusions,
+)
 
 try:  # Triton ships with CUDA builds of torch only.
     import triton
@@ -54,11 +66,6 @@ SAMPLE_GROUP = 16  # items per sampled maximum
 MAX_K = 1024  # larger k: torch reference
 MIN_FUSED_ITEMS = 1 << 15  # smaller catalogs: mm + topk costs nothing worth fusing
 MAX_CHUNKS = 1024
-MERGE_WINDOW = 2048
-MERGE_WARPS = 8
-DEFAULT_SMS = 132  # H200, when the device cannot be asked
-EXCLUDE_STEPS = 20  # binary-search steps when E is symbolic (export): E < 2**20
-SENTINEL = -(2**63) + 1  # below every packed key
 
 
 @dataclass(frozen=True)
@@ -101,10 +108,6 @@ def triton_available() -> bool:
     return triton is not None
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _cdiv(a, b):
     return (a + b - 1) // b
 
@@ -138,30 +141,6 @@ def retrieve_reference(
     scores.scatter_(1, drop, float("-inf"))
     top_scores, top_idx = torch.topk(scores, k, dim=1)
     return top_scores, top_idx  # a plain tuple: export cannot serialise return_types
-
-
-def pack_keys(scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordered as (score descending, index ascending); the kernels' order."""
-    bits = scores.float().view(torch.int32)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (ordered.long() << 32) | (0xFFFFFFFF - idx.long())
-
-
-def unpack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    ordered = (keys >> 32).int()
-    bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-    return bits.view(torch.float32), 0xFFFFFFFF - (keys & 0xFFFFFFFF)
-
-
-def sample_threshold(
-    group_max: torch.Tensor, need: int | torch.SymInt, margin: torch.Tensor
-) -> torch.Tensor:
-    """Per-user threshold from sampled maxima [B, G]: strictly below the ``need``-th
-    largest minus ``margin`` [B], so that ``score > threshold`` keeps every score
-    ``>= L - margin``; ``-inf`` when fewer than ``need`` maxima exist."""
-    pad = group_max.new_full((group_max.shape[0], need), float("-inf"))
-    lower = torch.topk(torch.cat([group_max, pad], dim=1), need, dim=1).values[:, -1]  # [B]
-    return torch.nextafter(lower - margin, torch.full_like(lower, float("-inf")))
 
 
 class NormalizedTable:
@@ -224,36 +203,8 @@ def fused_retrieve(
 # ---------------------------------------------------------------- kernels
 
 if triton is not None:
-    _SENT = tl.constexpr(SENTINEL)
-
-    @triton.jit
-    def _pack(score, idx):
-        bits = score.to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        return (ordered.to(tl.int64) << 32) | (4294967295 - idx.to(tl.int64))
-
-    @triton.jit
-    def _unpack(key):
-        ordered = (key >> 32).to(tl.int32)
-        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-        return bits.to(tl.float32, bitcast=True), (4294967295 - (key & 4294967295)).to(tl.int32)
-
-    @triton.jit
-    def _count_le(row_ptr, n, x, steps):
-        """How many of the n sorted int32 values at ``row_ptr`` are <= x (elementwise)."""
-        pos = (x * 0).to(tl.int32)
-        for t in range(steps):
-            cand = pos + (1 << (steps - 1 - t))
-            ok = cand <= n
-            v = tl.load(row_ptr + cand - 1, mask=ok, other=0)
-            pos = tl.where(ok & (v <= x), cand, pos)
-        return pos
-
-    @triton.jit
-    def _excluded(idx, ex_row, num_ex, steps):
-        pos = _count_le(ex_row, num_ex, idx, steps)
-        hit = tl.load(ex_row + pos - 1, mask=pos > 0, other=-1)
-        return (pos > 0) & (hit == idx)
+    from streamrec.models.score_scan import launch_score_scan
+    from streamrec.models.topk_merge import launch_merge, top_of_region, unpack
 
     @triton.jit
     def _dot_step(
@@ -315,7 +266,6 @@ if triton is not None:
     ):  # fmt: skip
         """Rows whose region might not hold another tile keep their top KEEP entries
         (excluded items as -inf) and raise their threshold to the KEEP-th score."""
-        offs = tl.arange(0, CAP)
         lane = tl.arange(0, BLOCK_B)
         for r in range(BLOCK_B):
             sel = lane == r
@@ -324,17 +274,16 @@ if triton is not None:
             n = tl.load(cnt_ptr + slot, mask=row < num_users, other=0)
             if n > CAP - BLOCK_V:
                 base = slot * CAP
-                s = tl.load(sc_ptr + base + offs, mask=offs < n, other=float("-inf"))
-                i = tl.load(ix_ptr + base + offs, mask=offs < n, other=0)
-                dropped = _excluded(i, ex_ptr + row * stride_ex, num_ex, ex_steps)
-                s = tl.where(dropped, float("-inf"), s)
-                top = tl.topk(tl.where(offs < n, _pack(s, i), _SENT), KEEP)  # [KEEP]
-                ts, ti = _unpack(top)
+                top = top_of_region(
+                    sc_ptr, ix_ptr, base, n, ex_ptr + row * stride_ex, num_ex, ex_steps,
+                    CAP, KEEP,
+                )  # fmt: skip
+                ts, ti = unpack(top)
                 keep = tl.arange(0, KEEP)
                 tl.store(sc_ptr + base + keep, ts)
                 tl.store(ix_ptr + base + keep, ti)
                 tl.store(cnt_ptr + slot, KEEP)
-                kth, _ = _unpack(tl.min(top, axis=0))
+                kth, _ = unpack(tl.min(top, axis=0))
                 thr = tl.where(sel, tl.maximum(thr, kth), thr)
         return thr
 
@@ -410,35 +359,6 @@ if triton is not None:
                     ex_ptr, stride_ex, num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
                 )  # fmt: skip
 
-    @triton.jit
-    def _merge_kernel(
-        sc_ptr, ix_ptr, cnt_ptr, pre_ptr, ex_ptr, out_s_ptr, out_i_ptr, num_chunks,
-        chunk_steps, stride_ex, num_ex, ex_steps, k,
-        CAP: tl.constexpr, KEEP: tl.constexpr, WIN: tl.constexpr,
-    ):  # fmt: skip
-        """Top k of user ``program_id(0)``'s candidates, excluded items as -inf."""
-        b = tl.program_id(0)
-        pre_row = pre_ptr + b * num_chunks  # exclusive prefix of the region counts
-        ex_row = ex_ptr + b * stride_ex
-        last = b * num_chunks + num_chunks - 1
-        total = tl.load(pre_ptr + last) + tl.load(cnt_ptr + last)
-        offs = tl.arange(0, WIN)
-        best = tl.full([KEEP], _SENT, tl.int64)
-        for w0 in range(0, total, WIN):
-            j = w0 + offs  # candidate number within the user's regions
-            valid = j < total
-            c = tl.maximum(_count_le(pre_row, num_chunks, j, chunk_steps) - 1, 0)
-            src = (b * num_chunks + c) * CAP + (j - tl.load(pre_row + c))
-            s = tl.load(sc_ptr + src, mask=valid, other=float("-inf"))
-            i = tl.load(ix_ptr + src, mask=valid, other=0)
-            s = tl.where(_excluded(i, ex_row, num_ex, ex_steps), float("-inf"), s)
-            top = tl.topk(tl.where(valid, _pack(s, i), _SENT), KEEP)
-            best = tl.topk(tl.reshape(tl.join(best, top), [2 * KEEP]), KEEP)
-        score, idx = _unpack(best)
-        o = tl.arange(0, KEEP)
-        tl.store(out_s_ptr + b * k + o, score, mask=o < k)
-        tl.store(out_i_ptr + b * k + o, idx.to(tl.int64), mask=o < k)
-
     def launch_retrieval(
         user_emb: torch.Tensor,
         table: torch.Tensor,
@@ -460,15 +380,14 @@ if triton is not None:
         if dim % cfg.block_k:
             raise ModelError(f"dim {dim} is not a multiple of block_k={cfg.block_k}")
         bb, bv = cfg.block_b, cfg.block_v
-        keep = max(2, _next_pow2(k))  # tl.topk and the merge need at least 2 lanes
-        cap = _next_pow2(keep + bv)
+        keep = max(2, next_pow2(k))  # tl.topk and the merge need at least 2 lanes
+        cap = next_pow2(keep + bv)
         launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         tile = {"D": dim, "BLOCK_B": bb, "BLOCK_V": bv, "BLOCK_K": cfg.block_k,
                 "IEEE": user_emb.dtype == torch.float32 or not user_emb.is_cuda}  # fmt: skip
         dev = user_emb.device
         u = user_emb.contiguous()
-        # Sorted int32 exclusions (ids past the table act on its last row, as in mm + topk).
-        ex = exclude.clamp(max=num_items - 1).to(torch.int32).sort(dim=1).values.contiguous()
+        ex = sorted_exclusions(exclude, num_items)
         ex_steps = num_ex.bit_length() if isinstance(num_ex, int) else EXCLUDE_STEPS
         user_tiles = _cdiv(num_users, bb)
 
@@ -500,14 +419,7 @@ if triton is not None:
             CAP=cap, KEEP=keep, FLAT=cfg.flat, **tile, **launch,
         )  # fmt: skip
 
-        pre = (torch.cumsum(counts, dim=1, dtype=torch.int32) - counts).contiguous()
-        chunk_steps = chunks.bit_length()
-        scores = torch.empty(num_users, k, device=dev, dtype=torch.float32)
-        rows = torch.empty(num_users, k, device=dev, dtype=torch.int64)
-        torch.library.wrap_triton(_merge_kernel)[(num_users,)](
-            sc, ix, counts, pre, ex, scores, rows, chunks, chunk_steps, ex.stride(0), num_ex,
-            ex_steps, k, CAP=cap, KEEP=keep, WIN=max(merge_window, keep), num_warps=MERGE_WARPS,
-        )  # fmt: skip
+        scores, rows = launch_merge(sc, ix, counts, ex, ex_steps, k, cap, keep, merge_window)
         return scores, rows, counts
 
     @torch.library.triton_op(OP_RETRIEVE, mutates_args={})
@@ -515,5 +427,5 @@ if triton is not None:
         user_emb: torch.Tensor, table: torch.Tensor, exclude: torch.Tensor, k: int, first_row: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k rows >= first_row by user_emb @ table.T, excluded rows last (-inf)."""
-        scores, rows, _ = launch_retrieval(user_emb, table, exclude, k, first_row)
+        scores, rows, _ = launch_score_scan(user_emb, table, exclude, k, first_row)
         return scores.to(user_emb.dtype), rows

@@ -36,13 +36,11 @@ from streamrec.models.retrieval import (
     SAMPLE_GROUP,
     NormalizedTable,
     fused_retrieval_enabled,
-    pack_keys,
     retrieve_reference,
-    sample_threshold,
-    unpack_keys,
 )
+from streamrec.models.topk_merge import pack_keys, sample_threshold, unpack_keys
+from tests.models.retrieval_cases import CASES, FIRST, case, oracle
 
-FIRST = 17  # first retrievable row (padding + 16 OOV buckets)
 INTERPRETER = (
     os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 )
@@ -50,18 +48,6 @@ INTERPRETER = (
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-
-
-def oracle(
-    scores: torch.Tensor, exclude: torch.Tensor, k: int, first: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k over rows >= first by key (score desc, index asc), excluded = -inf."""
-    num_items = scores.shape[1]
-    masked = scores.float().clone()
-    masked.scatter_(1, exclude.clamp(min=0, max=num_items - 1), float("-inf"))
-    idx = torch.arange(first, num_items).expand(scores.shape[0], -1)
-    keys = pack_keys(masked[:, first:], idx)
-    return unpack_keys(torch.topk(keys, k, dim=1).values)
 
 
 def simulate(
@@ -102,35 +88,6 @@ def simulate(
         out_s.append(top_s)
         out_i.append(top_i)
     return torch.stack(out_s), torch.stack(out_i)
-
-
-def dyadic(rows: int, dim: int, gen: torch.Generator) -> torch.Tensor:
-    """Entries in {-4..4}/8: dot products over dim <= 64 are exact in fp32 and bf16."""
-    return torch.randint(-4, 5, (rows, dim), generator=gen).float() / 8
-
-
-def case(name: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(user_emb [B, D], table [V, D], exclude [B, E], k) of a named stress case."""
-    gen = torch.Generator().manual_seed(seed)
-    num_users, num_items, dim, k = 3, 4000, 32, 4
-    users, table = dyadic(num_users, dim, gen), dyadic(num_items, dim, gen)
-    exclude = torch.randint(-1, num_items, (num_users, 2), generator=gen)
-    if name == "clustered":  # 600 copies of user 0's direction: one chunk overflows
-        table[FIRST + 900 : FIRST + 1500] = users[0]
-    elif name == "zero_user":  # every score 0: order by index alone
-        users[1] = 0
-    elif name == "exclude_best":  # each user's best rows are excluded
-        best = oracle(users @ table.t(), torch.full((num_users, 1), -1), 2, FIRST)[1]
-        exclude = torch.cat([best, exclude[:, :1]], dim=1)
-    elif name == "tiny":  # fewer valid rows than k: excluded rows fill in at -inf
-        table = table[: FIRST + k + 1]
-        exclude = torch.tensor([[FIRST, FIRST + 1], [-1, -1], [FIRST + 2, 10_000]])
-    elif name != "random":
-        raise ValueError(name)
-    return users, table, exclude, k
-
-
-CASES = ("random", "clustered", "zero_user", "exclude_best", "tiny")
 
 
 # ------------------------------------------------------------------ CPU
@@ -337,17 +294,24 @@ def assert_top_k(
 def test_fused_equals_mm_topk_over_1m_items(
     catalog: dict[torch.dtype, torch.Tensor], batch: int, dtype: torch.dtype
 ) -> None:
+    """The op (the score scan since the twelfth session) and the fused kernels both."""
     from streamrec.models.retrieval import fused_retrieve, launch_retrieval
+    from streamrec.models.score_scan import launch_score_scan
 
     table = catalog[dtype]
     users, exclude = users_and_exclusions(table, batch, seed=batch)
     assert fused_retrieval_enabled("auto", users, table, K, FIRST)
     got = fused_retrieve(users, table, exclude, K, FIRST)
     differ = assert_top_k(users, table, exclude, got, K)
-    counts = launch_retrieval(users, table, exclude, K, FIRST)[2].sum(1).float()
+    fused_s, fused_i, counts = launch_retrieval(users, table, exclude, K, FIRST)
+    fused_differ = assert_top_k(users, table, exclude, (fused_s.to(dtype), fused_i), K)
+    scan_counts = launch_score_scan(users, table, exclude, K, FIRST)[2].sum(1).float()
+    counts = counts.sum(1).float()
     print(
-        f"B={batch} {dtype}: {differ} of {batch * K} rows differ from topk (boundary ties); "
-        f"candidates per user mean {counts.mean():.0f} max {counts.max():.0f}"
+        f"B={batch} {dtype}: rows differing from topk (boundary ties): scan {differ}, fused "
+        f"{fused_differ} of {batch * K}; candidates per user mean (max): scan "
+        f"{scan_counts.mean():.0f} ({scan_counts.max():.0f}), fused {counts.mean():.0f} "
+        f"({counts.max():.0f})"
     )
 
 
