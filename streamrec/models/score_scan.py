@@ -56,6 +56,7 @@ CHUNK_ITEMS = 1 << 18  # items scored per mm: 128 MB of bf16 scores at batch 256
 SCAN_BLOCK = 1024  # scores read per step of a scan program
 SCAN_WARPS = 4
 THRESHOLD_GROUP = 16  # items per maximum of the first chunk
+ALIGN = 16  # columns per chunk are a multiple of this (aligned score rows)
 PROGRAMS_PER_SM = 4
 SYMBOLIC_SEGMENTS = 16  # segments per user when the batch is symbolic (export)
 
@@ -178,12 +179,18 @@ if triton is not None:
         thr = None
         for lo in range(first_row, num_items, chunk_items):
             hi = min(lo + chunk_items, num_items)
-            scores = torch.mm(u, table[lo:hi].t())  # [B, hi - lo]
+            # A chunk of a multiple of 16 columns keeps every score row 16-byte aligned, so
+            # the scan's loads stay vectorised: a short last chunk starts up to 15 rows
+            # early, and those rows (already scanned, or blocked) score -inf here.
+            skip = -(hi - lo) % ALIGN if lo >= -(hi - lo) % ALIGN else 0
+            scores = torch.mm(u, table[lo - skip : hi].t())  # [B, hi - lo + skip]
+            if skip:
+                scores[:, :skip] = float("-inf")
             if thr is None:  # [B, S]: one threshold per region, raised as it compacts
                 thr = chunk_threshold(scores, k + num_ex)[:, None].repeat(1, segments)
             torch.library.wrap_triton(_scan_kernel)[(num_users, segments)](
-                scores, thr, counts, sc, ix, ex, hi - lo, lo, seg_cols, segments,
-                ex.stride(0), num_ex, ex_steps, BLOCK=block, CAP=cap, KEEP=keep,
+                scores, thr, counts, sc, ix, ex, hi - lo + skip, lo - skip, seg_cols,
+                segments, ex.stride(0), num_ex, ex_steps, BLOCK=block, CAP=cap, KEEP=keep,
                 num_warps=SCAN_WARPS,
             )  # fmt: skip
         out_s, rows = launch_merge(sc, ix, counts, ex, ex_steps, k, cap, keep, merge_window)
