@@ -18,6 +18,10 @@ interpreter passes it.
 
     PYTHONPATH=$PWD /work/triton-venv/bin/python -m bench.kernel_resources
     PYTHONPATH=$PWD /work/triton-venv/bin/python -m bench.kernel_resources --kernel decode
+    PYTHONPATH=$PWD /work/triton-venv/bin/python -m bench.kernel_resources --kernel scan
+
+``--kernel scan``: the retrieval scan (``score_scan.py``), a memory stream whose bytes in
+flight are its programs per SM times the blocks each has loaded ahead.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from triton.compiler import ASTSource
 from streamrec.models import multi_query_attention as mqa
 from streamrec.models import paged_attention as pa
 from streamrec.models import prefill_kernels as pfk
+from streamrec.models import score_scan as ss
 
 H200 = GPUTarget("cuda", 90, 32)
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -164,11 +169,13 @@ def resources(kernel: Any) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    parser.add_argument("--kernel", default="prefill", choices=["prefill", "decode"])
+    parser.add_argument("--kernel", default="prefill", choices=["prefill", "decode", "scan"])
     parser.add_argument("--inductor", action="store_true", help="decode: int64 symbolic ints")
     args = parser.parse_args(argv)
     if args.kernel == "decode":
         return decode_main(args.dtype, args.inductor)
+    if args.kernel == "scan":
+        return scan_main(args.dtype)
     for launch in pfk.PREFILL_LAUNCHES:
         try:
             row = resources(compile_prefill(launch, args.dtype))
@@ -198,6 +205,30 @@ def decode_main(dtype: str, inductor: bool) -> int:
             row["programs_per_sm"] = programs_per_sm(row, int(launch[1]))
             print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return 1 if failed else 0
+
+
+def compile_scan(keep: int, dtype: str = "bf16") -> Any:
+    """The retrieval scan kernel (``score_scan.py``) as the op launches it for k <= keep."""
+    fn = ss._scan_kernel
+    pointers = dict(s_ptr=f"*{dtype}", thr_ptr="*fp32", cnt_ptr="*i32", sc_ptr="*fp32",
+                    ix_ptr="*i32", ex_ptr="*i32")  # fmt: skip
+    signature = {n: "constexpr" if n.isupper() else pointers.get(n, "i32") for n in fn.arg_names}
+    block = ss.SCAN_BLOCK
+    constants = dict(BLOCK=block, CAP=keep + block, KEEP=keep, WIN=max(ss.COMPACT_WINDOW, keep))
+    aligned = [*pointers, "num_cols", "seg_cols", "stride_ex"]  # as at 1M items, E = 16
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=H200, options={"num_warps": ss.SCAN_WARPS})
+
+
+def scan_main(dtype: str) -> int:
+    """The scan at k = 1 (greedy generation), 256 (the worker) and 1024 (the most)."""
+    for keep in (2, 256, 1024):
+        row = resources(compile_scan(keep, dtype))
+        row.pop("key_loop_sass")
+        row["programs_per_sm"] = programs_per_sm(row, ss.SCAN_WARPS)
+        print(f"scan keep {keep} {dtype}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+    return 0
 
 
 if __name__ == "__main__":

@@ -53,8 +53,9 @@ except ImportError:  # pragma: no cover - exercised on the CPU CI machine
     tl = None
 
 CHUNK_ITEMS = 1 << 18  # items scored per mm: 128 MB of bf16 scores at batch 256
-SCAN_BLOCK = 1024  # scores read per step of a scan program
+SCAN_BLOCK = 1024  # scores read per step of a scan program (2 KB of bf16)
 SCAN_WARPS = 4
+COMPACT_WINDOW = 512  # region entries sorted at a time when a region is compacted
 THRESHOLD_GROUP = 16  # items per maximum of the first chunk
 ALIGN = 16  # columns per chunk are a multiple of this (aligned score rows)
 PROGRAMS_PER_SM = 4
@@ -89,16 +90,20 @@ def chunk_threshold(scores: torch.Tensor, need: int | torch.SymInt) -> torch.Ten
 
 
 if triton is not None:
-    from streamrec.models.topk_merge import launch_merge, top_of_region, unpack
+    from streamrec.models.topk_merge import best_of_region, launch_merge, unpack
 
     @triton.jit
     def _scan_kernel(
         s_ptr, thr_ptr, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, num_cols, col0, seg_cols,
         num_segs, stride_ex, num_ex, ex_steps,
-        BLOCK: tl.constexpr, CAP: tl.constexpr, KEEP: tl.constexpr,
+        BLOCK: tl.constexpr, CAP: tl.constexpr, KEEP: tl.constexpr, WIN: tl.constexpr,
     ):  # fmt: skip
         """Candidates of user ``program_id(0)`` in segment ``program_id(1)`` of a chunk's
-        scores [B, num_cols] (item rows ``col0 + column``)."""
+        scores [B, num_cols] (item rows ``col0 + column``).
+
+        A memory stream: the next two blocks' loads are issued before this block is looked at,
+        and the rare compaction sorts WIN keys at a time, so that the registers allow
+        several programs per SM and enough bytes are in flight."""
         b = tl.program_id(0)
         slot = b * num_segs + tl.program_id(1)
         thr = tl.load(thr_ptr + slot)  # this region's threshold, raised by compaction
@@ -109,10 +114,17 @@ if triton is not None:
         start = tl.program_id(1) * seg_cols
         stop = tl.minimum(start + seg_cols, num_cols)
         lanes = tl.arange(0, BLOCK)
+        # Two blocks in flight ahead of the one looked at (a0 next, a1 after it).
+        a0 = tl.load(row + start + lanes, mask=start + lanes < stop, other=float("-inf"))
+        a1 = tl.load(
+            row + start + BLOCK + lanes, mask=start + BLOCK + lanes < stop, other=float("-inf")
+        )
         for c0 in range(start, stop, BLOCK):
             offs = c0 + lanes
-            s = tl.load(row + offs, mask=offs < stop, other=float("-inf")).to(tl.float32)
-            take = s > thr  # [BLOCK]; NaN never passes
+            s = a0.to(tl.float32)  # [BLOCK]
+            a0 = a1
+            a1 = tl.load(row + offs + 2 * BLOCK, mask=offs + 2 * BLOCK < stop, other=float("-inf"))
+            take = s > thr  # NaN never passes
             n = tl.sum(take.to(tl.int32), axis=0)
             if n > 0:
                 dest = cnt + tl.cumsum(take.to(tl.int32), axis=0) - 1
@@ -121,8 +133,8 @@ if triton is not None:
                 cnt += n
                 if cnt > CAP - BLOCK:  # the region might not hold another block
                     tl.debug_barrier()
-                    top = top_of_region(
-                        sc_ptr, ix_ptr, base, cnt, ex_row, num_ex, ex_steps, CAP, KEEP
+                    top = best_of_region(
+                        sc_ptr, ix_ptr, base, cnt, ex_row, num_ex, ex_steps, WIN, KEEP
                     )  # [KEEP] keys
                     tl.debug_barrier()
                     ts, ti = unpack(top)
@@ -159,7 +171,8 @@ if triton is not None:
         if chunk_items < block:
             raise ModelError(f"chunk_items={chunk_items} must be >= the scan block {block}")
         keep = max(2, next_pow2(k))  # tl.topk and the merge need at least 2 lanes
-        cap = next_pow2(keep + block)
+        win = max(COMPACT_WINDOW, keep)
+        cap = keep + block  # room for one more block after a compaction
         dev = user_emb.device
         u = user_emb.contiguous()
         ex = sorted_exclusions(exclude, num_items)
@@ -191,7 +204,7 @@ if triton is not None:
             torch.library.wrap_triton(_scan_kernel)[(num_users, segments)](
                 scores, thr, counts, sc, ix, ex, hi - lo + skip, lo - skip, seg_cols,
                 segments, ex.stride(0), num_ex, ex_steps, BLOCK=block, CAP=cap, KEEP=keep,
-                num_warps=SCAN_WARPS,
+                WIN=win, num_warps=SCAN_WARPS,
             )  # fmt: skip
         out_s, rows = launch_merge(sc, ix, counts, ex, ex_steps, k, cap, keep, merge_window)
         return out_s, rows, counts

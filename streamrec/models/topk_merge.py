@@ -109,6 +109,23 @@ if triton is not None:
         return tl.topk(tl.where(offs < n, pack(s, i), _SENT), KEEP)
 
     @triton.jit
+    def best_of_region(sc_ptr, ix_ptr, base, n, ex_row, num_ex, ex_steps,
+                       WIN: tl.constexpr, KEEP: tl.constexpr):  # fmt: skip
+        """``top_of_region`` in windows of WIN entries (WIN >= KEEP): the registers of a
+        WIN-key sort instead of a region-sized one, for a kernel whose hot loop is a
+        memory stream that wants many programs per SM."""
+        offs = tl.arange(0, WIN)
+        best = tl.full([KEEP], _SENT, tl.int64)
+        for w0 in range(0, n, WIN):
+            j = w0 + offs
+            s = tl.load(sc_ptr + base + j, mask=j < n, other=float("-inf"))
+            i = tl.load(ix_ptr + base + j, mask=j < n, other=0)
+            s = tl.where(excluded(i, ex_row, num_ex, ex_steps), float("-inf"), s)
+            top = tl.topk(tl.where(j < n, pack(s, i), _SENT), KEEP)
+            best = tl.topk(tl.reshape(tl.join(best, top), [2 * KEEP]), KEEP)
+        return best
+
+    @triton.jit
     def _merge_kernel(
         sc_ptr, ix_ptr, cnt_ptr, pre_ptr, ex_ptr, out_s_ptr, out_i_ptr, num_chunks,
         chunk_steps, stride_ex, num_ex, ex_steps, k,

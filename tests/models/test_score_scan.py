@@ -67,6 +67,7 @@ def score_scan(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
         (torch.float32, 1024, 16, 6),  # 4 chunks, 2 segments per user, CAP 32: compacts
         (torch.bfloat16, 512, 32, 3),  # 8 chunks, one segment per user
         (torch.bfloat16, 4096, 16, 300),  # one chunk, 64 segments of one block
+        (torch.float32, 4096, 1024, 3),  # compactions sort their region in 512-key windows
     ],
 )
 def test_scan_equals_exact_top_k_on_the_interpreter(
