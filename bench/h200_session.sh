@@ -201,7 +201,7 @@ for stage in "$@"; do
         --batches 1 8 64 --iters 20 --no-compile --out "$OUT/aoti" 2>&1 | grep -v "^W[0-9]" | tail -32
       cp "$OUT/aoti/h200.json" "$OUT/h200_aoti_speedup.json" 2>/dev/null
       python3 -m bench.startup_bench --workload HSTU-8L --out "$OUT" 2>&1 | tail -8 ;;
-    retrieval)  # fused retrieval top-k: its gpu tests, then mm + topk vs fused (issue 14.4)
+    retrieval)  # retrieval top-k: its gpu tests, then mm + topk, mm alone, fused, scan (issue 14.4)
       python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider 2>&1 \
         | tee "$OUT/retrieval_tests.log" | grep -E "B=|aoti|passed|failed|Error" | tail -20
       python3 -m bench.retrieval_bench --out "$OUT" 2>&1 | tail -25 ;;
