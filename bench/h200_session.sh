@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|prefill-model|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -201,6 +201,11 @@ for stage in "$@"; do
         --batches 1 8 64 --iters 20 --no-compile --out "$OUT/aoti" 2>&1 | grep -v "^W[0-9]" | tail -32
       cp "$OUT/aoti/h200.json" "$OUT/h200_aoti_speedup.json" 2>/dev/null
       python3 -m bench.startup_bench --workload HSTU-8L --out "$OUT" 2>&1 | tail -8 ;;
+    prefill-model)  # issue 14 warm-up: HSTU-8L prefill of 256 skewed users, the model alone
+      # (fused jagged, one call vs the engine's per-length-class calls), users/s
+      python3 -m bench.prefill_bench --config hstu-8l --device cuda --users 256 --skip-dense \
+        2>&1 | tail -8
+      cp bench/results/prefill_hstu-8l_cuda.json "$OUT/" 2>/dev/null ;;
     retrieval)  # retrieval top-k: its gpu tests, then mm + topk, mm alone, fused, scan (issue 14.4)
       python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider 2>&1 \
         | tee "$OUT/retrieval_tests.log" | grep -E "B=|aoti|passed|failed|Error" | tail -20

@@ -1,12 +1,16 @@
-"""Dense prefill at three row widths, side by side in one run.
+"""Prefill (a cache miss rebuilds the whole history) of the same users, side by side.
 
-A cache miss rebuilds a user by a dense recompute of the whole history, padded to the
-row width of its call. This compares, for the same users: every row at ``max_seq_len``
-(how prefill ran before), rows as wide as the batch's longest history, and the engine's
-way now: one call per power-of-two class of history length. Results are checked equal.
+Rows: the dense recompute with every row at ``max_seq_len`` (how prefill first ran) and
+at the batch's longest history, then ``model.prefill`` in one call and in the engine's
+way (``ModelStep._prefill``: one call per power-of-two class of history length). On the
+CPU ``model.prefill`` is the dense recompute at the tight width; on CUDA with Triton it is
+the fused jagged prefill (no padding), where the grouping, made for the dense recompute,
+only adds calls: these two rows say whether the engine should still group. Dense results
+are checked equal; ``users_per_s`` is the warm-up's rate for this model alone, to set
+beside the worker bench's warm phase (issue 14: >= 2,000 users/s at HSTU-8L).
 
     .venv/bin/python -m bench.prefill_bench                          # CPU, cap 1,024
-    python3 -m bench.prefill_bench --config hstu-8l --device cuda    # the H200 reference
+    python3 -m bench.prefill_bench --config hstu-8l --device cuda --users 256 --skip-dense
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from bench._report import print_table, write_results
 from bench.engine_bench import SMALL, WORKLOADS, _model
 from bench.reference_config import ReferenceWorkload
 from streamrec.models.hstu import HSTU
+from streamrec.models.prefill_attention import fused_prefill_enabled
 
 # The reference's shape of histories (median 1/4 of the cap, log-normal, sigma 1) at a
 # size a CPU runs in seconds.
@@ -76,29 +81,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-dense", action="store_true", help="model.prefill rows only")
     args = parser.parse_args(argv)
     workload = CONFIGS[args.config]
     model, _ = _model(workload, args.device)
     lengths = workload.history_lengths(args.users, seed=1)
     inputs = _jagged(lengths, model.config.num_items, args.device)
     n = model.config.max_seq_len
+    cfg = model.config
+    fused = fused_prefill_enabled(
+        model.attention_backend, inputs[0], cfg.head_dim, cfg.num_time_buckets,
+        cfg.time_bucket_width,
+    )  # fmt: skip
     rows: list[dict[str, object]] = []
     with torch.no_grad():
-        full = model.prefill_states(*inputs, width=n)
-        tight = model.prefill_states(*inputs)
-        err = max(float((a - b).abs().max()) for a, b in zip(full, tight, strict=True))
-        variants = {
-            f"one call, width max_seq_len ({n})": lambda: model.prefill_states(*inputs, width=n),
-            f"one call, width {model.dense_width(inputs[3])}": lambda: model.prefill(*inputs),
-            "grouped by length class (engine)": lambda: _grouped(model, lengths, args.device),
-        }
+        err = float("nan")
+        variants: dict[str, Callable[[], object]] = {}
+        if not args.skip_dense:  # [B, N, N] temporaries: ~0.8 GB per HSTU-8L user at N 4,096
+            full = model.prefill_states(*inputs, width=n)
+            tight = model.prefill_states(*inputs, width=model.dense_width(inputs[3]))
+            err = max(float((a - b).abs().max()) for a, b in zip(full, tight, strict=True))
+            width = model.dense_width(inputs[3])
+            variants[f"dense, width max_seq_len ({n})"] = lambda: model.prefill_states(
+                *inputs, width=n
+            )
+            variants[f"dense, width {width}"] = lambda: model.prefill_states(*inputs, width=width)
+        kind = "fused jagged" if fused else "dense"
+        variants[f"model.prefill ({kind}), one call"] = lambda: model.prefill(*inputs)
+        variants[f"model.prefill ({kind}), grouped by length class (engine)"] = lambda: _grouped(
+            model, lengths, args.device
+        )
         base = None
         for name, fn in variants.items():
             ms = _time(fn, args.device, args.repeats)
             base = base or ms
             rows.append({
                 "variant": name, "users": args.users, "ms": round(ms, 2),
-                "ms_per_user": round(ms / args.users, 3), "speedup": round(base / ms, 2),
+                "ms_per_user": round(ms / args.users, 3),
+                "users_per_s": round(1000.0 * args.users / ms, 1), "speedup": round(base / ms, 2),
             })  # fmt: skip
     print_table(rows)
     print(
@@ -106,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         f"max {int(lengths.max())}; max |diff| full vs tight width {err:.2e}"
     )
     meta = {"config": args.config, "device": args.device, "lengths": lengths.tolist(),
-            "max_abs_diff": err, "torch": torch.__version__}  # fmt: skip
+            "max_abs_diff": err, "fused_prefill": fused, "torch": torch.__version__}  # fmt: skip
     print(f"wrote {write_results(f'prefill_{args.config}_{args.device}', rows, meta)}")
     return 0
 
