@@ -49,11 +49,14 @@ NEW_TOKENS = (1, 4, 16)
 # ts_pool, block_tables, cached_lens, pos_bias, time_bias, edges: every launch's tail
 Tail = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 # (block_n, warps, target programs, 2-D accumulator); the first is the op's default.
-EXTEND_VARIANTS: list[tuple[int, int, int, bool]] = [
+EXTEND_VARIANTS: list[tuple[int, ...]] = [
     (pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.TARGET_PROGRAMS, pa.DECODE_ACC2D),
     (64, 4, 1024, True), (16, 4, 1024, True), (32, 2, 1024, True), (64, 8, 1024, True),
     (32, 4, 2048, True), (64, 2, 1024, False), (32, 4, 512, True), (32, 4, 4096, True),
     (64, 4, 4096, True),
+    # the next tile's loads before this tile's math (launch suffix x1): 16-key tiles keep
+    # 123 registers (4 programs/SM), 32-key ones take 224 (2); kernel_resources --kernel decode
+    (16, 4, 1024, True, True), (32, 4, 1024, True, True), (16, 4, 2048, True, True),
 ]  # fmt: skip
 # (new tokens, key tile) of the decode kernel's tensor-core chunks, timed at n > 1; the
 # first is the op's default (multi_query_attention.py).
@@ -172,7 +175,7 @@ def extend_rows(
                     launch += f"-m{block_m}n{chunk_n}"
                 calls.append(("triton", launch, _bind(
                     pa.launch_decode, *head, *body, *var[:3], True, var[3], None, block_m,
-                    chunk_n,
+                    chunk_n, len(var) > 4 and bool(var[4]),
                 )))  # fmt: skip
         for impl, launch, call in calls:
             timed = _timed(call, f"extend n={n} {launch}")

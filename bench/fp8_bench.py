@@ -65,6 +65,9 @@ DECODE_LAUNCHES = [
     # e4m3 read at 43 % of the copy rate with the bf16 shape (H200, 2026-12-01): more
     # bytes in flight per program, and more programs
     (128, 4, 1024, True), (64, 4, 2048, True),
+    # the next tile's loads before this tile's math (paged_attention.DECODE_PREFETCH): the
+    # e4m3 one-token body waits on its loads (3 programs/SM, 8 KB per tile)
+    (16, 4, 1024, True, True), (32, 4, 1024, True, True),
 ]  # fmt: skip
 # (block_m, block_n, warps, stages, target programs)
 RANK_LAUNCHES = [
@@ -216,7 +219,7 @@ def kernel_rows(setup: Setup, ceil: dict[str, float]) -> list[dict[str, Any]]:
             calls = [
                 ("x".join(str(int(x)) for x in var),
                  _bind(pa.launch_decode, *head, *pool, *tail, cfg.max_seq_len, *var[:3], True,
-                       var[3], kv_scale=kv_scale))
+                       var[3], kv_scale=kv_scale, prefetch=len(var) > 4 and bool(var[4])))
                 for var in DECODE_LAUNCHES
             ]  # fmt: skip
             found[name] = _best(f"decode {name} batch {batch}", calls, setup, ref[name], sub)

@@ -91,6 +91,10 @@ TARGET_PROGRAMS = 1024
 DECODE_BLOCK_N = 32
 DECODE_WARPS = 4
 DECODE_ACC2D = True
+# The one-token body issues the next key tile's loads before this tile's math (a software
+# pipeline of depth 2: Triton pipelines only loads that feed tl.dot). Off until the H200
+# sweep (rows with launch suffix "p") says it pays for its registers.
+DECODE_PREFETCH = False
 
 
 def triton_available() -> bool:
@@ -290,6 +294,7 @@ if triton is not None:
         IEEE: tl.constexpr,
         FAST: tl.constexpr,
         KV_FP8: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
         """One chunk of a user's new tokens x one head x one key range: cached keys, then
         (range 0) the user's new keys up to each token. A chunk of one token runs the
@@ -332,15 +337,32 @@ if triton is not None:
                     acc = tl.zeros((BLOCK_N, D), dtype=tl.float32)
                 else:
                     acc = tl.zeros((D,), dtype=tl.float32)
-                for start in range(k_start, k_end, BLOCK_N):
-                    blk = tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
-                    k, v = tile_kv(start, k_end, blk, block_size, h, k_ptr, v_ptr,
+                if PREFETCH:  # the next tile's loads go out before this tile's math
+                    blk = tile_blocks(k_start, k_end, table_row, block_size, BLOCK_N)
+                    k, v = tile_kv(k_start, k_end, blk, block_size, h, k_ptr, v_ptr,
                                    stride_kv_block, stride_kv_slot, D, BLOCK_N)  # fmt: skip
-                    k_ts = tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N)
-                    keys = start + tl.arange(0, BLOCK_N)  # [BN]
-                    acc = _decode_tile(acc, q_cached, k, v, pos - keys, keys < k_end,
-                                       ts_q - k_ts, h, pos_bias_ptr, edges, tb_delta, tb0,
-                                       inv_divisor, H, NUM_POS, ACC2D, FAST)  # fmt: skip
+                    k_ts = tile_ts(k_start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N)
+                    for start in range(k_start, k_end, BLOCK_N):
+                        ahead = start + BLOCK_N  # (past k_end: masked, nothing is read)
+                        blk_a = tile_blocks(ahead, k_end, table_row, block_size, BLOCK_N)
+                        k_a, v_a = tile_kv(ahead, k_end, blk_a, block_size, h, k_ptr, v_ptr,
+                                           stride_kv_block, stride_kv_slot, D, BLOCK_N)  # fmt: skip
+                        ts_a = tile_ts(ahead, k_end, blk_a, block_size, ts_pool_ptr, BLOCK_N)
+                        keys = start + tl.arange(0, BLOCK_N)  # [BN]
+                        acc = _decode_tile(acc, q_cached, k, v, pos - keys, keys < k_end,
+                                           ts_q - k_ts, h, pos_bias_ptr, edges, tb_delta, tb0,
+                                           inv_divisor, H, NUM_POS, ACC2D, FAST)  # fmt: skip
+                        k, v, k_ts = k_a, v_a, ts_a
+                else:
+                    for start in range(k_start, k_end, BLOCK_N):
+                        blk = tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
+                        k, v = tile_kv(start, k_end, blk, block_size, h, k_ptr, v_ptr,
+                                       stride_kv_block, stride_kv_slot, D, BLOCK_N)  # fmt: skip
+                        k_ts = tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N)
+                        keys = start + tl.arange(0, BLOCK_N)  # [BN]
+                        acc = _decode_tile(acc, q_cached, k, v, pos - keys, keys < k_end,
+                                           ts_q - k_ts, h, pos_bias_ptr, edges, tb_delta, tb0,
+                                           inv_divisor, H, NUM_POS, ACC2D, FAST)  # fmt: skip
                 if KV_FP8:  # Σ w (code * s) = s Σ w code: the V scale once, before the new keys
                     acc = acc * tl.load(kv_scale_ptr + H + h)
                 if split == 0:  # this call's own tokens of the user: q_start[g] .. g
@@ -399,6 +421,7 @@ if triton is not None:
         kv_scale: torch.Tensor | None = None,
         block_m: int = CHUNK_M,
         chunk_n: int = CHUNK_N,
+        prefetch: bool = DECODE_PREFETCH,
     ) -> torch.Tensor:
         """The decode kernel with an explicit launch shape (the op uses the defaults;
         bench/h200_bench.py sweeps them); an FP8 pool with ``kv_scale [2, H]``. A chunk of
@@ -429,7 +452,7 @@ if triton is not None:
             NUM_TIME=time_bias.shape[0], NT_P2=next_pow2(max(2, time_bias.shape[0] - 1)),
             BLOCK_M=block_m, BLOCK_N=block_n, CHUNK_N=chunk_n, SCAN=TOKEN_SCAN, ACC2D=acc2d,
             IEEE=q.dtype == torch.float32, FAST=fast_silu_allowed(fast, q),
-            KV_FP8=kv_scale is not None, num_warps=num_warps,
+            KV_FP8=kv_scale is not None, PREFETCH=prefetch, num_warps=num_warps,
         )  # fmt: skip
         return out
 

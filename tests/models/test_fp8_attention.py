@@ -163,7 +163,8 @@ def test_fp8_ops_bf16_error(batch: int, rank: bool) -> None:
 def test_fp8_decode_splits_are_deterministic(mixed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """FP8 codes on both bodies of the decode kernel (one-token chunks on the vector body,
     longer ones on tensor cores, ``mixed``: users with 0/1/2/5/17/40 new tokens), each
-    user against the reference over the dequantized values, one key range or many."""
+    user against the reference over the dequantized values, one key range or many, with
+    and without the vector body's prefetch."""
     device = kernel_device(monkeypatch)
     if mixed:
         c = mixed_case(device, seed=13)
@@ -171,11 +172,14 @@ def test_fp8_decode_splits_are_deterministic(mixed: bool, monkeypatch: pytest.Mo
         c = make_case([0, 17, 40, 33], [2, 0, 19, 1], rank=False, device=device, seed=11)
     codes, scale = fp8_codes(c.kv)
     want = reference(c, codes, scale)
-    for block_n, warps, target, acc2d in [(16, 2, 1, False), (32, 4, 4096, True)]:
+    for block_n, warps, target, acc2d, prefetch in [
+        (16, 2, 1, False, False), (32, 4, 4096, True, False), (16, 4, 4096, True, True),
+    ]:  # fmt: skip
         run = (block_n, warps, target, True, acc2d)
-        got = pa.launch_decode(*decode_args(c, codes), *run, kv_scale=scale)  # type: ignore[arg-type]
-        assert max(per_user_errors(c, got, want)) < FP32_TOL, run
-        again = pa.launch_decode(*decode_args(c, codes), *run, kv_scale=scale)  # type: ignore[arg-type]
+        launch = {"kv_scale": scale, "prefetch": prefetch}
+        got = pa.launch_decode(*decode_args(c, codes), *run, **launch)  # type: ignore[arg-type]
+        assert max(per_user_errors(c, got, want)) < FP32_TOL, (run, prefetch)
+        again = pa.launch_decode(*decode_args(c, codes), *run, **launch)  # type: ignore[arg-type]
         assert torch.equal(got, again)
 
 

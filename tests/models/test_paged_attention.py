@@ -475,15 +475,19 @@ def test_decode_launch_variants_and_determinism(monkeypatch: pytest.MonkeyPatch)
     c = make_case([0, 17, 40, 33], [2, 0, 19, 1], rank=False, device=device, seed=11)
     want = c.reference()
     args = decode_args(c)
-    for block_n, warps, target, acc2d, chunk in [
-        (16, 2, 1, False, (16, 16)), (32, 4, 1, True, (16, 32)), (64, 2, 4096, False, (32, 16)),
-        (16, 4, 4096, True, (16, 64)), (32, 4, 64, True, (64, 16)),
+    for block_n, warps, target, acc2d, chunk, prefetch in [
+        (16, 2, 1, False, (16, 16), False), (32, 4, 1, True, (16, 32), False),
+        (64, 2, 4096, False, (32, 16), False), (16, 4, 4096, True, (16, 64), False),
+        (32, 4, 64, True, (64, 16), False),
+        # the next tile's loads before this tile's math: one key range and many
+        (16, 4, 1, True, (16, 16), True), (32, 4, 4096, False, (16, 16), True),
     ]:  # fmt: skip
         run = (block_n, warps, target, True, acc2d)
-        got = pa.launch_decode(*args, *run, block_m=chunk[0], chunk_n=chunk[1])  # type: ignore[arg-type]
-        assert rel_err(got, want) < FP32_TOL, (run, chunk)
+        launch = {"block_m": chunk[0], "chunk_n": chunk[1], "prefetch": prefetch}
+        got = pa.launch_decode(*args, *run, **launch)  # type: ignore[arg-type]
+        assert rel_err(got, want) < FP32_TOL, (run, chunk, prefetch)
         if target > 1:
-            again = pa.launch_decode(*args, *run, block_m=chunk[0], chunk_n=chunk[1])  # type: ignore[arg-type]
+            again = pa.launch_decode(*args, *run, **launch)  # type: ignore[arg-type]
             assert torch.equal(got, again)
 
 
