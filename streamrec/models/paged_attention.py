@@ -73,9 +73,7 @@ try:  # Triton ships with CUDA builds of torch only.
         finish_tile,
         key_bias,
         silu_over_n,
-        tile_blocks,
-        tile_kv,
-        tile_ts,
+        tile_kv_ts,
         time_table,
     )
 except ImportError:  # pragma: no cover - exercised on the CPU CI machine
@@ -338,31 +336,25 @@ if triton is not None:
                 else:
                     acc = tl.zeros((D,), dtype=tl.float32)
                 if PREFETCH:  # the next tile's loads go out before this tile's math
-                    blk = tile_blocks(k_start, k_end, table_row, block_size, BLOCK_N)
-                    k, v = tile_kv(k_start, k_end, blk, block_size, h, k_ptr, v_ptr,
-                                   stride_kv_block, stride_kv_slot, D, BLOCK_N)  # fmt: skip
-                    k_ts = tile_ts(k_start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N)
-                    for start in range(k_start, k_end, BLOCK_N):
-                        ahead = start + BLOCK_N  # (past k_end: masked, nothing is read)
-                        blk_a = tile_blocks(ahead, k_end, table_row, block_size, BLOCK_N)
-                        k_a, v_a = tile_kv(ahead, k_end, blk_a, block_size, h, k_ptr, v_ptr,
-                                           stride_kv_block, stride_kv_slot, D, BLOCK_N)  # fmt: skip
-                        ts_a = tile_ts(ahead, k_end, blk_a, block_size, ts_pool_ptr, BLOCK_N)
-                        keys = start + tl.arange(0, BLOCK_N)  # [BN]
-                        acc = _decode_tile(acc, q_cached, k, v, pos - keys, keys < k_end,
-                                           ts_q - k_ts, h, pos_bias_ptr, edges, tb_delta, tb0,
-                                           inv_divisor, H, NUM_POS, ACC2D, FAST)  # fmt: skip
+                    k, v, k_ts = tile_kv_ts(k_start, k_end, table_row, block_size, h, k_ptr,
+                                            v_ptr, ts_pool_ptr, stride_kv_block,
+                                            stride_kv_slot, D, BLOCK_N)  # fmt: skip
+                for start in range(k_start, k_end, BLOCK_N):
+                    if PREFETCH:  # (a tile past k_end is masked: nothing is read)
+                        k_a, v_a, ts_a = tile_kv_ts(start + BLOCK_N, k_end, table_row,
+                                                    block_size, h, k_ptr, v_ptr, ts_pool_ptr,
+                                                    stride_kv_block, stride_kv_slot, D,
+                                                    BLOCK_N)  # fmt: skip
+                    else:
+                        k, v, k_ts = tile_kv_ts(start, k_end, table_row, block_size, h, k_ptr,
+                                                v_ptr, ts_pool_ptr, stride_kv_block,
+                                                stride_kv_slot, D, BLOCK_N)  # fmt: skip
+                    keys = start + tl.arange(0, BLOCK_N)  # [BN]
+                    acc = _decode_tile(acc, q_cached, k, v, pos - keys, keys < k_end,
+                                       ts_q - k_ts, h, pos_bias_ptr, edges, tb_delta, tb0,
+                                       inv_divisor, H, NUM_POS, ACC2D, FAST)  # fmt: skip
+                    if PREFETCH:
                         k, v, k_ts = k_a, v_a, ts_a
-                else:
-                    for start in range(k_start, k_end, BLOCK_N):
-                        blk = tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
-                        k, v = tile_kv(start, k_end, blk, block_size, h, k_ptr, v_ptr,
-                                       stride_kv_block, stride_kv_slot, D, BLOCK_N)  # fmt: skip
-                        k_ts = tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N)
-                        keys = start + tl.arange(0, BLOCK_N)  # [BN]
-                        acc = _decode_tile(acc, q_cached, k, v, pos - keys, keys < k_end,
-                                           ts_q - k_ts, h, pos_bias_ptr, edges, tb_delta, tb0,
-                                           inv_divisor, H, NUM_POS, ACC2D, FAST)  # fmt: skip
                 if KV_FP8:  # Σ w (code * s) = s Σ w code: the V scale once, before the new keys
                     acc = acc * tl.load(kv_scale_ptr + H + h)
                 if split == 0:  # this call's own tokens of the user: q_start[g] .. g

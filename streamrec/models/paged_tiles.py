@@ -58,6 +58,18 @@ if triton is not None:
         return k, v
 
     @triton.jit
+    def tile_kv_ts(
+        start, k_end, table_row, block_size, h, k_ptr, v_ptr, ts_pool_ptr, stride_kv_block,
+        stride_kv_slot, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """K, V [BN, D] and timestamps [BN] of the cached key tile at ``start`` (the vector
+        body's loads: a tile past ``k_end`` reads nothing)."""
+        blk = tile_blocks(start, k_end, table_row, block_size, BLOCK_N)
+        k, v = tile_kv(start, k_end, blk, block_size, h, k_ptr, v_ptr, stride_kv_block,
+                       stride_kv_slot, D, BLOCK_N)  # fmt: skip
+        return k, v, tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N)
+
+    @triton.jit
     def dot_tile_kv(
         start, k_end, table_row, block_size, h, k_ptr, v_ptr, stride_kv_block, stride_kv_slot,
         like, D: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
