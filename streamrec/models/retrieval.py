@@ -48,6 +48,7 @@ from streamrec.models.topk_merge import (
     DEFAULT_SMS,
     EXCLUDE_STEPS,
     MERGE_WINDOW,
+    cdiv,
     next_pow2,
     sample_threshold,
     sorted_exclusions,
@@ -108,10 +109,6 @@ def triton_available() -> bool:
     return triton is not None
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
 # ---------------------------------------------------------------- torch side
 
 
@@ -122,8 +119,8 @@ def select_chunks(user_tiles: int | torch.SymInt, tiles: int, programs: int) -> 
     one tile (<= 64 users), and planning for two halved its programs to one per SM of the
     H200 (132) where the eager op runs two per SM (0.33 ms for 40 users, 2026-12-04)."""
     tiles_b = user_tiles if isinstance(user_tiles, int) else 1
-    chunk_tiles = _cdiv(tiles, max(1, min(_cdiv(programs, tiles_b), MAX_CHUNKS, tiles)))
-    return _cdiv(tiles, chunk_tiles), chunk_tiles
+    chunk_tiles = cdiv(tiles, max(1, min(cdiv(programs, tiles_b), MAX_CHUNKS, tiles)))
+    return cdiv(tiles, chunk_tiles), chunk_tiles
 
 
 def retrieve_reference(
@@ -389,9 +386,9 @@ if triton is not None:
         u = user_emb.contiguous()
         ex = sorted_exclusions(exclude, num_items)
         ex_steps = num_ex.bit_length() if isinstance(num_ex, int) else EXCLUDE_STEPS
-        user_tiles = _cdiv(num_users, bb)
+        user_tiles = cdiv(num_users, bb)
 
-        sampled = _cdiv(num_items - first_row, bv * SAMPLE_EVERY)
+        sampled = cdiv(num_items - first_row, bv * SAMPLE_EVERY)
         groups = sampled * (bv // SAMPLE_GROUP)
         gmax = torch.empty(num_users, groups, device=dev, dtype=torch.float32)
         torch.library.wrap_triton(_sample_kernel)[(user_tiles, sampled)](
@@ -406,7 +403,7 @@ if triton is not None:
             if dev.type == "cuda":
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
             programs = cfg.programs_per_sm * sms
-        tiles = _cdiv(num_items - first_row, bv)
+        tiles = cdiv(num_items - first_row, bv)
         chunks, chunk_tiles = select_chunks(user_tiles, tiles, programs)
         if isinstance(num_users, int) and num_users * chunks * cap >= 2**31:
             raise ModelError(f"batch {num_users} too large for one call (int32 offsets)")

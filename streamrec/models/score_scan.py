@@ -40,6 +40,7 @@ from streamrec.models.topk_merge import (
     DEFAULT_SMS,
     EXCLUDE_STEPS,
     MERGE_WINDOW,
+    cdiv,
     next_pow2,
     sample_threshold,
     sorted_exclusions,
@@ -62,10 +63,6 @@ PROGRAMS_PER_SM = 4
 SYMBOLIC_SEGMENTS = 16  # segments per user when the batch is symbolic (export)
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
 def scan_segments(
     batch: int | torch.SymInt, cols: int, block: int, programs: int
 ) -> tuple[int, int]:
@@ -73,11 +70,11 @@ def scan_segments(
     programs in all, each a whole number of blocks. A symbolic batch gets a fixed count:
     sizes stay plain expressions of B and only speed depends on it."""
     if isinstance(batch, int):
-        segments = max(1, min(_cdiv(programs, max(batch, 1)), _cdiv(cols, block)))
+        segments = max(1, min(cdiv(programs, max(batch, 1)), cdiv(cols, block)))
     else:
-        segments = max(1, min(SYMBOLIC_SEGMENTS, _cdiv(cols, block)))
-    seg_cols = _cdiv(_cdiv(cols, segments), block) * block
-    return _cdiv(cols, seg_cols), seg_cols
+        segments = max(1, min(SYMBOLIC_SEGMENTS, cdiv(cols, block)))
+    seg_cols = cdiv(cdiv(cols, segments), block) * block
+    return cdiv(cols, seg_cols), seg_cols
 
 
 def chunk_threshold(scores: torch.Tensor, need: int | torch.SymInt) -> torch.Tensor:

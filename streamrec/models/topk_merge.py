@@ -32,6 +32,10 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def cdiv(a, b):  # ints or SymInts (export)
+    return (a + b - 1) // b
+
+
 def pack_keys(scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """int64 keys ordered as (score descending, index ascending); the kernels' order."""
     bits = scores.float().view(torch.int32)
