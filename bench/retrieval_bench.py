@@ -1,5 +1,5 @@
 """Retrieval top-256 over 1M items x 512 (bf16) on the H200: mm + topk, the fused
-kernels and the score scan (the op since the twelfth session).
+kernels and the score scan (what the op runs).
 
 All run inside CUDA graphs (``graphed``: one replay per call), with 16 exclusions per
 user and the first 17 rows blocked (the model's padding and OOV rows), as

@@ -3,7 +3,7 @@
 """Retrieval top-k over the item table: the op, and the fused kernels it used to run.
 
 The op ``streamrec::retrieve_topk`` (``fused_retrieve``) serves ``HSTU.retrieve`` and the
-retrievable set on CUDA with Triton. Since the twelfth session it runs ``score_scan.py``:
+retrievable set on CUDA with Triton. It runs ``score_scan.py``:
 cuBLAS writes the scores once per item chunk and one scan keeps the candidates, because
 this module's kernels — a Triton GEMM with a top-k epilogue, scores never written — ran
 at ~175 TFLOP/s on the H200 (a quarter of cuBLAS's rate). They stay here, measured side

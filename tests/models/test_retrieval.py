@@ -294,7 +294,7 @@ def assert_top_k(
 def test_fused_equals_mm_topk_over_1m_items(
     catalog: dict[torch.dtype, torch.Tensor], batch: int, dtype: torch.dtype
 ) -> None:
-    """The op (the score scan since the twelfth session) and the fused kernels both."""
+    """The op (the score scan) and the fused kernels both."""
     from streamrec.models.retrieval import fused_retrieve, launch_retrieval
     from streamrec.models.score_scan import launch_score_scan
 
