@@ -3,12 +3,12 @@
 """Retrieval top-k over the item table: the op, and the fused kernels it used to run.
 
 The op ``streamrec::retrieve_topk`` (``fused_retrieve``) serves ``HSTU.retrieve`` and the
-retrievable set on CUDA with Triton. It runs ``score_scan.py``:
-cuBLAS writes the scores once per item chunk and one scan keeps the candidates, because
-this module's kernels — a Triton GEMM with a top-k epilogue, scores never written — ran
-at ~175 TFLOP/s on the H200 (a quarter of cuBLAS's rate). They stay here, measured side
-by side in ``bench/retrieval_bench.py`` (``launch_retrieval``), until the H200 rows say
-which to keep. Their algorithm:
+retrievable set on CUDA with Triton. It runs ``score_scan.py`` (cuBLAS writes the scores
+once per item chunk, one scan keeps the candidates), because this module's kernels — a
+Triton GEMM with a top-k epilogue, scores never written — ran at ~175 TFLOP/s on the
+H200, a quarter of cuBLAS's rate. They stay here, measured side by side in
+``bench/retrieval_bench.py`` (``launch_retrieval``), until the H200 rows say which to
+keep. Their algorithm:
 
 1. **Threshold.** A sample — every ``SAMPLE_EVERY``-th tile of ``BLOCK_V`` items — is
    scored and the maximum of each group of ``SAMPLE_GROUP`` items kept. The
