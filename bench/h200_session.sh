@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|prefill-model|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -201,6 +201,17 @@ for stage in "$@"; do
         --batches 1 8 64 --iters 20 --no-compile --out "$OUT/aoti" 2>&1 | grep -v "^W[0-9]" | tail -32
       cp "$OUT/aoti/h200.json" "$OUT/h200_aoti_speedup.json" 2>/dev/null
       python3 -m bench.startup_bench --workload HSTU-8L --out "$OUT" 2>&1 | tail -8 ;;
+    scan-prefetch)  # the twelfth session's untimed changes in one call (~5-6 min): the
+      # retrieval scan's gpu tests and rows (k = 256; the verify's k = 1 at 320 rows), the
+      # decode prefetch rows (bf16 sweep at batch 64, one new token; the fp8 kernel section)
+      python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider \
+        -k "not aoti and not hstu" 2>&1 | tee "$OUT/scan_tests.log" | grep -E "B=|passed|failed|Error" | tail -12
+      python3 -m bench.retrieval_bench --sweep-batch 0 --out "$OUT" 2>&1 | tail -14
+      python3 -m bench.retrieval_bench --k 1 --dim 512 --batches 64 320 --sweep-batch 0 \
+        --out "$OUT" 2>&1 | tail -8
+      python3 -m bench.h200_bench --sections attention --kernel-ops extend --batches 64 \
+        --workloads HSTU-8L --iters 15 --out "$OUT/decode" 2>&1 | grep -E "^extend|x1|Error" | tail -20
+      timeout 240 python3 -m bench.fp8_bench --sections kernel --out "$OUT" 2>&1 | tail -12 ;;
     prefill-model)  # issue 14 warm-up: HSTU-8L prefill of 256 skewed users, the model alone
       # (fused jagged, one call vs the engine's per-length-class calls), users/s
       python3 -m bench.prefill_bench --config hstu-8l --device cuda --users 256 --skip-dense \
