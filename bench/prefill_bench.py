@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         err = float("nan")
         variants: dict[str, Callable[[], object]] = {}
         if not args.skip_dense:  # [B, N, N] temporaries: ~0.8 GB per HSTU-8L user at N 4,096
-            full = model.prefill_states(*inputs, width=n)
-            tight = model.prefill_states(*inputs, width=model.dense_width(inputs[3]))
-            err = max(float((a - b).abs().max()) for a, b in zip(full, tight, strict=True))
             width = model.dense_width(inputs[3])
+            full = model.prefill_states(*inputs, width=n)
+            tight = model.prefill_states(*inputs, width=width)
+            err = max(float((a - b).abs().max()) for a, b in zip(full, tight, strict=True))
             variants[f"dense, width max_seq_len ({n})"] = lambda: model.prefill_states(
                 *inputs, width=n
             )

@@ -174,7 +174,7 @@ if triton is not None:
         scores [B, k] and rows [B, k] int64."""
         num_users, regions = counts.shape
         pre = (torch.cumsum(counts, dim=1, dtype=torch.int32) - counts).contiguous()
-        region_steps = regions.bit_length() if isinstance(regions, int) else EXCLUDE_STEPS
+        region_steps = int(regions).bit_length()  # callers plan an int count of regions
         scores = torch.empty(num_users, k, device=sc.device, dtype=torch.float32)
         rows = torch.empty(num_users, k, device=sc.device, dtype=torch.int64)
         torch.library.wrap_triton(_merge_kernel)[(num_users,)](

@@ -38,16 +38,12 @@ from streamrec.models.retrieval import (
     fused_retrieval_enabled,
     retrieve_reference,
 )
-from streamrec.models.topk_merge import pack_keys, sample_threshold, unpack_keys
+from streamrec.models.topk_merge import next_pow2, pack_keys, sample_threshold, unpack_keys
 from tests.models.retrieval_cases import CASES, FIRST, case, oracle
 
 INTERPRETER = (
     os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 )
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def simulate(
@@ -57,7 +53,7 @@ def simulate(
     of ``chunk`` tiles whose candidate regions are compacted to KEEP when they might not
     hold one more tile, then the merge. scores [B, V] fp32 (the kernels' tile scores)."""
     num_users, num_items = scores.shape
-    keep, cap = _next_pow2(k), _next_pow2(_next_pow2(k) + block_v)
+    keep, cap = next_pow2(k), next_pow2(next_pow2(k) + block_v)
     ex = exclude.clamp(max=num_items - 1)
     maxima = []
     for start in range(first, num_items, block_v * SAMPLE_EVERY):
