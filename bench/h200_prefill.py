@@ -114,16 +114,19 @@ def _prefill_rows(layer: Layer, batch: int, history: int, iters: int) -> list[di
     )  # fmt: skip
     flops = 4.0 * layer.heads * layer.head_dim * batch * history * (history + 1) / 2
     rows = []
-    variants = [(launch, True) for launch in pfk.PREFILL_LAUNCHES]
-    variants.append((pfk.PREFILL_LAUNCHES[0], False))  # the exact SiLU (as compiled graphs run)
-    for launch, fast in variants:
+    loop = pfk.PREFILL_BUCKET_LOOP
+    variants = [(launch, True, loop) for launch in pfk.PREFILL_LAUNCHES]
+    variants.append((pfk.PREFILL_LAUNCHES[0], False, loop))  # exact SiLU (compiled graphs)
+    variants.append((pfk.PREFILL_LAUNCHES[0], True, 32))  # every tile's compare loop (before)
+    for launch, fast, bucket_loop in variants:
         bm, bn, warps, stages = launch
         call = partial(
             pfk.launch_prefill, q, k, v, ts, offsets, layer.pos_bias, layer.time_bias,
             layer.edges, layer.n, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-            fast=fast,
+            fast=fast, bucket_loop=bucket_loop,
         )  # fmt: skip
         name = "x".join(map(str, launch)) + ("" if fast else "-exact-silu")
+        name += "" if bucket_loop == loop else f"-loop{bucket_loop}"
         try:
             err = _rel_err(call()[first], ref)
             ms = _time(call, iters)

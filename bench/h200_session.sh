@@ -211,12 +211,29 @@ for stage in "$@"; do
         --out "$OUT" 2>&1 | tail -8
       python3 -m bench.h200_bench --sections attention --kernel-ops extend --batches 64 \
         --workloads HSTU-8L --iters 15 --out "$OUT/decode" 2>&1 | grep -E "^extend|x1|Error" | tail -20
-      timeout 240 python3 -m bench.fp8_bench --sections kernel --out "$OUT" 2>&1 | tail -12 ;;
+      timeout 240 python3 -m bench.fp8_bench --sections kernel --out "$OUT/h200_fp8_kernel.json" 2>&1 | tail -12 ;;
     prefill-model)  # issue 14 warm-up: HSTU-8L prefill of 256 skewed users, the model alone
       # (fused jagged, one call vs the engine's per-length-class calls), users/s
       python3 -m bench.prefill_bench --config hstu-8l --device cuda --users 256 --skip-dense \
         2>&1 | tail -8
       cp bench/results/prefill_hstu-8l_cuda.json "$OUT/" 2>/dev/null ;;
+    prefill-bucket)  # thirteenth session: the prefill's per-element time buckets in tiles
+      # spanning more than PREFILL_BUCKET_LOOP buckets; exactness on CUDA, then the kernel
+      # rows at batch 64 (history 1,000 and 4,096): every launch, and "-loop32" (before)
+      python3 -m pytest -q -s -m gpu tests/models/test_prefill_attention.py -p no:cacheprovider \
+        -k "time_bias or long_histories or prefill_bf16" 2>&1 | tee "$OUT/prefill_bucket_tests.log" \
+        | grep -E "rel err|passed|failed|Error" | tail -14
+      python3 -c "
+import json, sys, torch
+import bench.h200_prefill as hp
+rows = []
+for history in (1000, 4096):
+    rows += hp._prefill_rows(hp.Layer(seed=0), 64, history, 10)
+    torch.cuda.empty_cache()
+for r in rows:
+    print(r['op'], r['batch'], r['history'], r['impl'], r['launch'], r['ms'], r['tflop_s'], r['rel_err_vs_fp32'])
+json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[1], 'w'), indent=1)
+" "$OUT/prefill_bucket.json" 2>&1 | grep -v "^W[0-9]" | tail -24 ;;
     retrieval)  # retrieval top-k: its gpu tests, then mm + topk, mm alone, fused, scan (issue 14.4)
       python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider 2>&1 \
         | tee "$OUT/retrieval_tests.log" | grep -E "B=|aoti|passed|failed|Error" | tail -20

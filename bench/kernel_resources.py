@@ -48,7 +48,8 @@ ROWS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
 
 
 def compile_prefill(launch: tuple[int, ...], dtype: str = "bf16", heads: int = 4,
-                    head_dim: int = 128) -> Any:  # fmt: skip
+                    head_dim: int = 128,
+                    bucket_loop: int = pfk.PREFILL_BUCKET_LOOP) -> Any:  # fmt: skip
     """The prefill kernel at the HSTU reference shape (N = 4,096, 32 time buckets)."""
     block_m, block_n, warps, stages = launch
     fn = pfk._prefill_kernel
@@ -62,7 +63,7 @@ def compile_prefill(launch: tuple[int, ...], dtype: str = "bf16", heads: int = 4
     constants = dict(
         H=heads, D=head_dim, NUM_POS=4096, NUM_TIME=32, NUM_CELLS=pfk.NUM_CELLS,
         POS_PAD=pfk.POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n, USER_CHUNK=pfk.USER_CHUNK,
-        IEEE=dtype == "fp32", FAST=dtype != "fp32",
+        IEEE=dtype == "fp32", FAST=dtype != "fp32", KV_FP8=False, BUCKET_LOOP=bucket_loop,
     )  # fmt: skip
     aligned = [*types, "stride_q", "stride_k", "stride_v"]  # as Triton specialises them
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}

@@ -89,7 +89,6 @@ MODEL_CODE = (
     "streamrec.models.prefill_attention",
     "streamrec.models.prefill_kernels",
     "streamrec.models.retrieval",
-    "streamrec.models.score_scan",
     "streamrec.models.topk_merge",
     "streamrec.models.scratch_extend",
     "streamrec.models.config",

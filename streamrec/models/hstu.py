@@ -589,7 +589,7 @@ class HSTU(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k retrievable rows by cosine score; exclude [B, E] row ids, -1 = none; ``table``:
         the normalised rows [V, D] (default the cached copy; the AOTI package binds it). With
-        Triton on CUDA the retrieval op (models/retrieval.py, score_scan.py): ties at the k-th
+        Triton on CUDA the retrieval op (models/retrieval.py): ties at the k-th
         place may pick other rows of equal score than ``torch.topk``."""
         if table is None:
             table = self.retrieval_table.get(self.item_emb.weight)  # [V, D]

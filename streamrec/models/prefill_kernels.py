@@ -60,6 +60,10 @@ PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 32
 PREFILL_WARPS = 4
 PREFILL_STAGES = 2
+# A prefill tile whose |dt| span more than this many time buckets takes each element's
+# bucket from its cell (three gathers) instead of one compare per bucket edge
+# (``_add_time_bias``); 32 (> any bucket count) keeps the compare loop everywhere.
+PREFILL_BUCKET_LOOP = 4
 # (BLOCK_M, BLOCK_N, warps, stages) the kernel sweep times; the defaults above come first.
 PREFILL_LAUNCHES = (
     (PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES),
@@ -157,20 +161,27 @@ if triton is not None:
 
     @triton.jit
     def _add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
-                       cell_edge_ptr, cell_base_ptr, NUM_CELLS: tl.constexpr):  # fmt: skip
+                       cell_edge_ptr, cell_base_ptr, NUM_CELLS: tl.constexpr,
+                       BUCKET_LOOP: tl.constexpr):  # fmt: skip
         """bias [BM, BN] + time_bias[bucket(|ts_i - ts_j|)] / 2 of one head, exactly.
 
         The tile's |dt| lie in [near, far] (from the query and key timestamp ranges, or
         any ranges that hold them), so its buckets lie in [b_lo, b_hi]: one bucket for most
-        tiles (a scalar add), else one fp64 compare and select per edge inside the range.
-        No gathers.
+        tiles (a scalar add); up to BUCKET_LOOP more, one fp64 compare and select per edge
+        inside the range, no gathers; past that (the tiles at the diagonal, whose |dt|
+        start at 0: ~20 buckets with minutes between events) each element's own bucket,
+        from its cell, and three small gathers — a cost that does not grow with the range.
         """
         near = tl.maximum(tl.maximum(q_lo - k_hi, k_lo - q_hi), 0.0)
         far = tl.maximum(q_hi - k_lo, k_hi - q_lo)
         b_lo = _bucket(near, cell_edge_ptr, cell_base_ptr, NUM_CELLS)
         b_hi = _bucket(far, cell_edge_ptr, cell_base_ptr, NUM_CELLS)
         t_lo = tl.load(tb_row + b_lo)
-        if b_lo < b_hi:
+        if b_hi - b_lo > BUCKET_LOOP:
+            adt = tl.abs(ts_q[:, None] - ts_k[None, :])  # [BM, BN] fp64, exact
+            bucket = _bucket(adt, cell_edge_ptr, cell_base_ptr, NUM_CELLS)  # [BM, BN]
+            bias = bias + tl.load(tb_row + bucket)
+        elif b_lo < b_hi:
             adt = tl.abs(ts_q[:, None] - ts_k[None, :])  # [BM, BN] fp64, exact
             t = tl.zeros(bias.shape, dtype=tl.float32) + t_lo
             for b in range(b_lo + 1, b_hi + 1):  # bucket >= b iff |dt| >= edges[b - 1]
@@ -296,7 +307,7 @@ if triton is not None:
         tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v, half_scale,
         D: tl.constexpr, NUM_CELLS: tl.constexpr, BLOCK_N: tl.constexpr,
         DIAGONAL: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
-        KV_FP8: tl.constexpr,
+        KV_FP8: tl.constexpr, BUCKET_LOOP: tl.constexpr,
     ):  # fmt: skip
         """acc + Σ_j silu(q·k_j/√d + rab) v_j over keys n0 … n0+BLOCK_N-1 (times N; with
         KV_FP8 k, v are codes and the scales are in ``half_scale`` and the caller's 1/N)."""
@@ -312,7 +323,7 @@ if triton is not None:
         bias = tl.load(pos_row + (rows[:, None] - n0) - tl.arange(0, BLOCK_N)[None, :])
         k_lo, k_hi = _ts_range(range_row, n0 // BLOCK_N, 1, n, BLOCK_N)
         bias = _add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
-                              cell_edge_ptr, cell_base_ptr, NUM_CELLS)  # fmt: skip
+                              cell_edge_ptr, cell_base_ptr, NUM_CELLS, BUCKET_LOOP)  # fmt: skip
         w = _silu_half((s * half_scale).to(tl.float32) + bias, FAST)
         if DIAGONAL:
             w = tl.where(cols[None, :] <= rows[:, None], w, 0.0)
@@ -351,6 +362,7 @@ if triton is not None:
         IEEE: tl.constexpr,
         FAST: tl.constexpr,
         KV_FP8: tl.constexpr,
+        BUCKET_LOOP: tl.constexpr,
     ):
         """One query tile of one user x one head, causal over that user's keys."""
         pid = tl.program_id(0)
@@ -395,13 +407,13 @@ if triton is not None:
                 acc = _prefill_tile(
                     acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
                     pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
-                    s_half, D, NUM_CELLS, BLOCK_N, False, IEEE, FAST, KV_FP8,
+                    s_half, D, NUM_CELLS, BLOCK_N, False, IEEE, FAST, KV_FP8, BUCKET_LOOP,
                 )  # fmt: skip
             for n0 in range(m0, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the diagonal
                 acc = _prefill_tile(
                     acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
                     pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
-                    s_half, D, NUM_CELLS, BLOCK_N, True, IEEE, FAST, KV_FP8,
+                    s_half, D, NUM_CELLS, BLOCK_N, True, IEEE, FAST, KV_FP8, BUCKET_LOOP,
                 )  # fmt: skip
             out = out_ptr + ((start + rows)[:, None] * H + h) * D + offs_d[None, :]
             acc = (acc * s_out).to(out_ptr.dtype.element_ty)  # the constant N, once
@@ -531,6 +543,7 @@ if triton is not None:
         num_stages: int = PREFILL_STAGES,
         fast: bool = True,
         kv_scale: torch.Tensor | None = None,
+        bucket_loop: int = PREFILL_BUCKET_LOOP,
     ) -> torch.Tensor:
         """The prefill kernel with an explicit launch shape (the op uses the defaults;
         bench/h200_bench.py sweeps them); FP8 k, v with ``kv_scale [2, H]``. Returns
@@ -559,8 +572,8 @@ if triton is not None:
             D=head_dim, NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
             NUM_CELLS=NUM_CELLS, POS_PAD=POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n,
             USER_CHUNK=USER_CHUNK, IEEE=q.dtype == torch.float32,
-            FAST=fast_silu_allowed(fast, q), KV_FP8=kv_scale is not None, num_warps=num_warps,
-            num_stages=num_stages,
+            FAST=fast_silu_allowed(fast, q), KV_FP8=kv_scale is not None,
+            BUCKET_LOOP=bucket_loop, num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         return out
 

@@ -3,12 +3,12 @@
 """Retrieval top-k over the item table: the op, and the fused kernels it used to run.
 
 The op ``streamrec::retrieve_topk`` (``fused_retrieve``) serves ``HSTU.retrieve`` and the
-retrievable set on CUDA with Triton. It runs ``score_scan.py`` (cuBLAS writes the scores
-once per item chunk, one scan keeps the candidates), because this module's kernels — a
-Triton GEMM with a top-k epilogue, scores never written — ran at ~175 TFLOP/s on the
-H200, a quarter of cuBLAS's rate. They stay here, measured side by side in
-``bench/retrieval_bench.py`` (``launch_retrieval``), until the H200 rows say which to
-keep. Their algorithm:
+retrievable set on CUDA with Triton. It runs this module's kernels — a Triton GEMM with a
+top-k epilogue, scores never written. ``score_scan.py`` (cuBLAS writes the scores once per
+item chunk, one scan keeps the candidates) was built to beat them and lost on the GPU
+(2026-12-06, H100, 1M items, D 512: 4,165 against 1,531 µs at batch 256, 952 against 646
+at batch 64, even at batch 1 and the verify's 320 rows at k 1); it stays as the side by
+side in ``bench/retrieval_bench.py``. The algorithm here:
 
 1. **Threshold.** A sample — every ``SAMPLE_EVERY``-th tile of ``BLOCK_V`` items — is
    scored and the maximum of each group of ``SAMPLE_GROUP`` items kept. The
@@ -200,7 +200,6 @@ def fused_retrieve(
 # ---------------------------------------------------------------- kernels
 
 if triton is not None:
-    from streamrec.models.score_scan import launch_score_scan
     from streamrec.models.topk_merge import launch_merge, top_of_region, unpack
 
     @triton.jit
@@ -424,5 +423,5 @@ if triton is not None:
         user_emb: torch.Tensor, table: torch.Tensor, exclude: torch.Tensor, k: int, first_row: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k rows >= first_row by user_emb @ table.T, excluded rows last (-inf)."""
-        scores, rows, _ = launch_score_scan(user_emb, table, exclude, k, first_row)
+        scores, rows, _ = launch_retrieval(user_emb, table, exclude, k, first_row)
         return scores.to(user_emb.dtype), rows

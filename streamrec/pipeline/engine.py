@@ -60,6 +60,9 @@ class EngineConfig:
     model_version: str
     backend: str = "eager"  # "aoti", "eager", "eager_fallback": reported, never branched on
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    # The model's prefill keeps tokens jagged (the fused prefill op): rebuilt users go in
+    # one call. Off (a dense prefill), they go in calls per length class (model_step.py).
+    jagged_prefill: bool = False
     store_retry_initial_s: float = 0.05
     store_retry_max_s: float = 2.0
 
@@ -150,8 +153,9 @@ class Engine:
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self.scorer = Scorer(model, tiers.cache, config.scoring, task_names, catalog=catalog)
         self.step = ModelStep(
-            model, tiers, self.scorer, self.device, catalog=catalog, generation=generation
-        )
+            model, tiers, self.scorer, self.device, catalog=catalog, generation=generation,
+            jagged_prefill=config.jagged_prefill,
+        )  # fmt: skip
         self._external = vocab.external_ids()  # [rows] item id per row, for the output
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="streamrec-engine")
         self._users: dict[str, _UserState] = {}

@@ -132,6 +132,7 @@ class ModelStep:
         device: torch.device,
         catalog: ItemCatalog | None = None,
         generation: StepGeneration | None = None,
+        jagged_prefill: bool = False,
     ) -> None:
         self.model = model
         self.tiers = tiers
@@ -139,6 +140,7 @@ class ModelStep:
         self.device = device
         self.catalog = catalog  # set: item rows become embedding-cache slots per call
         self.generation = generation
+        self.jagged_prefill = jagged_prefill  # one prefill call, not one per length class
 
     def run(self, work: Sequence[UserWork]) -> tuple[list[UserOutput], StepTimings]:
         timings = StepTimings()
@@ -258,16 +260,20 @@ class ModelStep:
         self.tiers.cache.write(slots, k, v, ts)
 
     def _prefill(self, work: list[UserWork]) -> list[tuple[list[UserWork], torch.Tensor]]:
-        """One prefill per group of similar history lengths (power-of-two classes): each
-        group with its user embeddings ``[b, D]``.
+        """One prefill per group of similar history lengths (power-of-two classes), or one
+        for all when the model's prefill is jagged: each group with its user embeddings
+        ``[b, D]``.
 
         A dense prefill pads every row to the longest history of its call, and its cost
         grows with the square of that width: grouping keeps a few long users from making
-        every short one pay for their length.
+        every short one pay for their length. A jagged prefill pads nothing, so groups
+        only add calls and partial last tiles (H100, HSTU-8L, 256 skewed users: one call
+        1,762 users/s, grouped 1,481).
         """
         groups: dict[int, list[UserWork]] = {}
         for w in work:
-            groups.setdefault(max(64, int(w.tokens.shape[0]) - 1).bit_length(), []).append(w)
+            cls = 0 if self.jagged_prefill else max(64, int(w.tokens.shape[0]) - 1).bit_length()
+            groups.setdefault(cls, []).append(w)
         out: list[tuple[list[UserWork], torch.Tensor]] = []
         for _, group in sorted(groups.items()):
             items, actions, ts, offsets = self._jagged(group)

@@ -40,7 +40,12 @@ from streamrec.worker.http_server import HttpServer, Response
 from streamrec.worker.intake import Intake
 from streamrec.worker.log_scoped_store import LogScopedStore
 from streamrec.worker.metrics import WorkerMetrics
-from streamrec.worker.model_loader import LoadedModel, load_model, set_host_threads
+from streamrec.worker.model_loader import (
+    LoadedModel,
+    load_model,
+    prefill_is_jagged,
+    set_host_threads,
+)
 from streamrec.worker.offset_tracker import OffsetTracker, OffsetTrackerStats
 from streamrec.worker.publisher import Publisher
 from streamrec.worker.rebalance import RebalanceListener
@@ -196,7 +201,8 @@ class App:
         scoped = LogScopedStore(self._store)
         vocab = loaded.checkpoint.vocab
         name, version = loaded.checkpoint.model_name, loaded.checkpoint.version
-        config = EngineConfig(name, version, loaded.backend, scoring)
+        jagged = prefill_is_jagged(hstu, loaded.device)
+        config = EngineConfig(name, version, loaded.backend, scoring, jagged_prefill=jagged)
         self.engine = Engine(model, tiers, scoped, vocab, hstu.task_names, config, catalog, gen)
         checkpoint = Checkpoint(
             self.config,

@@ -20,6 +20,8 @@ from streamrec.errors import ExportError, ModelError
 from streamrec.models.aoti_export import ExportConfig
 from streamrec.models.aoti_runtime import open_aoti_model
 from streamrec.models.checkpoint import Checkpoint, load_checkpoint, load_item_table
+from streamrec.models.config import HSTUConfig
+from streamrec.models.prefill_attention import fused_prefill_enabled
 from streamrec.models.quantization import apply_precision
 from streamrec.models.serving_precision import MODEL_PRECISION, ServingPrecision
 from streamrec.pipeline.graphed_model import GraphedModel, capture_serving_graphs
@@ -122,6 +124,16 @@ def load_serving_model(
         extra={"backend": "aoti", "model_version": checkpoint.version, "device": str(device)},
     )
     return model, "aoti"
+
+
+def prefill_is_jagged(hstu: HSTUConfig, device: torch.device) -> bool:
+    """Whether the served prefill runs the fused jagged op on ``device``: the eager model
+    decides it per call with the same test, and an AOTI package exported on this device
+    holds the op it chose (the engine then prefills every rebuilt user in one call)."""
+    probe = torch.empty(0, dtype=torch.int64, device=device)
+    return fused_prefill_enabled(
+        "auto", probe, hstu.head_dim, hstu.num_time_buckets, hstu.time_bucket_width
+    )
 
 
 def set_host_threads(model_cfg: ModelConfig, device: torch.device) -> int:

@@ -268,10 +268,11 @@ if pfa.triton_available():
     def _bias_probe(
         dt_ptr, key_out_ptr, tile_out_ptr, pos_ptr, tb_ptr, cell_edge_ptr, cell_base_ptr,
         edges_ptr, n, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, NUM_CELLS: tl.constexpr,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, BUCKET_LOOP: tl.constexpr,
     ):  # fmt: skip
         """Head 1: 2 x the per-key rab / 2 at relative position 0, and 2 x the tile time
-        bias / 2 of 16 queries at ts 0 against keys at ts = dt (one tile, every edge)."""
+        bias / 2 of 16 queries at ts 0 against keys at ts = dt (one tile, every edge: the
+        per-element buckets, or with BUCKET_LOOP >= 32 the compare per edge)."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
         dt = tl.load(dt_ptr + i, mask=mask, other=0).to(tl.float64)
@@ -286,11 +287,12 @@ if pfa.triton_available():
         zero = tl.zeros([16, BLOCK], dtype=tl.float32)
         k_lo, k_hi = tl.reduce((dt, dt), 0, pfk._min_max)
         tile = pfk._add_time_bias(zero, ts_q, dt, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
-                                  cell_edge_ptr, cell_base_ptr, NUM_CELLS)  # fmt: skip
+                                  cell_edge_ptr, cell_base_ptr, NUM_CELLS,
+                                  BUCKET_LOOP)  # fmt: skip
         tl.store(tile_out_ptr + i, tl.max(tile, 0) * 2.0, mask=mask)
 
 
-def _probe_time_bias(device: str) -> None:
+def _probe_time_bias(device: str, bucket_loop: int) -> None:
     """Kernel biases of head 1 equal relative_bias bit for bit at every edge ±1, every
     cell bound ±1, 0 and 2^k up to 2^45 ms, both signs, per key and per tile."""
     edges = time_bucket_edges(32, 0.6)
@@ -318,7 +320,7 @@ def _probe_time_bias(device: str) -> None:
     block = 256
     torch.library.wrap_triton(_bias_probe)[(triton.cdiv(dt.shape[0], block),)](
         dev[0], key, tile, *tables, dev[3], dt.shape[0], NUM_POS=64, NUM_TIME=32,
-        NUM_CELLS=pfk.NUM_CELLS, BLOCK=block,
+        NUM_CELLS=pfk.NUM_CELLS, BLOCK=block, BUCKET_LOOP=bucket_loop,
     )  # fmt: skip
     assert torch.equal(key.cpu(), want_key), (key.cpu() - want_key).abs().max()
     assert torch.equal(tile.cpu(), want_time), (tile.cpu() - want_time).abs().max()
@@ -328,22 +330,26 @@ def _probe_time_bias(device: str) -> None:
 
 
 @needs_interpreter
-def test_interpreter_time_bias_is_exact(interpreter_scalars: None) -> None:
-    _probe_time_bias("cpu")
+@pytest.mark.parametrize("bucket_loop", [pfk.PREFILL_BUCKET_LOOP, 32])
+def test_interpreter_time_bias_is_exact(interpreter_scalars: None, bucket_loop: int) -> None:
+    _probe_time_bias("cpu", bucket_loop)
 
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    ("block_m", "block_n", "strided"), [(16, 16, False), (32, 16, True), (64, 32, False)]
+    ("block_m", "block_n", "strided", "bucket_loop"),
+    [(16, 16, False, 4), (32, 16, True, 0), (64, 32, False, 32)],
 )
 def test_interpreter_prefill(
-    interpreter_scalars: None, block_m: int, block_n: int, strided: bool
+    interpreter_scalars: None, block_m: int, block_n: int, strided: bool, bucket_loop: int
 ) -> None:
+    """bucket_loop 0: every multi-bucket tile's buckets per element; 32: compares only."""
     lens = [0, 1, *(block_m + d for d in (-1, 0, 1)), 2 * block_m, 3, 150]
     case = make_jagged(lens, "cpu", seed=block_m, head_dim=16, strided=strided)
-    got = case.prefill(block_m=block_m, block_n=block_n, num_warps=1)
+    got = case.prefill(block_m=block_m, block_n=block_n, num_warps=1, bucket_loop=bucket_loop)
     err = rel_err(got, case.reference())
-    print(f"interpreter prefill {block_m}x{block_n} strided={strided}: rel err {err:.2e}")
+    print(f"interpreter prefill {block_m}x{block_n} strided={strided} loop={bucket_loop}: "
+          f"rel err {err:.2e}")  # fmt: skip
     assert got.shape == case.q.shape and got.dtype == case.q.dtype
     assert err < FP32_TOL
 
@@ -365,9 +371,10 @@ def test_interpreter_candidates(interpreter_scalars: None, target: int, cands: i
 
 
 @pytest.mark.gpu
-def test_time_bias_is_exact_on_cuda() -> None:
+@pytest.mark.parametrize("bucket_loop", [pfk.PREFILL_BUCKET_LOOP, 32])
+def test_time_bias_is_exact_on_cuda(bucket_loop: int) -> None:
     _cuda()
-    _probe_time_bias("cuda")
+    _probe_time_bias("cuda", bucket_loop)
 
 
 @pytest.mark.gpu

@@ -4,6 +4,8 @@ once)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -65,3 +67,47 @@ def test_mixed_rebuilt_and_cached_users_get_their_own_outputs() -> None:
         np.testing.assert_allclose(got[user].scores, out.scores, rtol=1e-5, atol=1e-6)
         assert got[user].task_scores is not None and out.task_scores is not None
         np.testing.assert_allclose(got[user].task_scores, out.task_scores, rtol=1e-5, atol=1e-6)
+
+
+class _CountingHSTU(HSTU):
+    """The model, counting its prefill calls and the users in each."""
+
+    def __init__(self, config: HSTUConfig) -> None:
+        super().__init__(config)
+        self.prefill_users: list[int] = []
+
+    def prefill(
+        self, items: torch.Tensor, actions: torch.Tensor, ts: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.prefill_users.append(offsets.shape[0] - 1)
+        return super().prefill(items, actions, ts, offsets)
+
+
+@torch.no_grad()
+def test_jagged_prefill_rebuilds_every_length_class_in_one_call() -> None:
+    """A dense prefill goes per power-of-two length class; a jagged one pads nothing, so
+    the step makes one call, with the same outputs."""
+    cfg = dataclasses.replace(CFG, max_seq_len=256)
+    torch.manual_seed(0)
+    weights = HSTU(cfg).state_dict()
+    rng = np.random.default_rng(2)
+    lengths = {"short": 10, "long": 200, "mid": 40}  # classes 7, 8, 7
+    tokens = {u: _tokens(rng, n, 1_700_000_000_000) for u, n in lengths.items()}
+    work = [UserWork(u, t, True, t[-3:, 0].copy(), 0) for u, t in tokens.items()]
+    outputs = {}
+    for jagged in (False, True):
+        model = _CountingHSTU(cfg).eval()
+        model.load_state_dict(weights)
+        geo = KVCacheConfig(cfg.num_layers, cfg.num_heads, cfg.head_dim, 4, torch.float32)
+        cache = KVCache(geo, 200, "cpu")
+        scoring = ScoringConfig(top_k=8, num_candidates=20, exclude_recent=3)
+        step = ModelStep(
+            model, KVTiers(cache, None, cfg.max_seq_len), Scorer(model, cache, scoring,
+            cfg.task_names), cache.device, jagged_prefill=jagged,
+        )  # fmt: skip
+        outputs[jagged] = {o.user_id: o for o in step.run(work)[0]}
+        assert model.prefill_users == ([3] if jagged else [2, 1])
+    assert list(outputs[True]) == list(lengths)
+    for user, want in outputs[False].items():
+        np.testing.assert_array_equal(outputs[True][user].items, want.items)
+        np.testing.assert_allclose(outputs[True][user].scores, want.scores, rtol=1e-5, atol=1e-6)
