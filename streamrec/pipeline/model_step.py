@@ -27,6 +27,9 @@ from streamrec.pipeline.scorer import ScoredUsers, Scorer
 from streamrec.pipeline.serving_model import ServingModel
 from streamrec.pipeline.step_generation import StepGeneration
 
+# The most tokens one jagged prefill call takes (its activations grow with them).
+PREFILL_CALL_TOKENS = 32_768
+
 IntArray = np.ndarray
 
 
@@ -268,12 +271,21 @@ class ModelStep:
         grows with the square of that width: grouping keeps a few long users from making
         every short one pay for their length. A jagged prefill pads nothing, so groups
         only add calls and partial last tiles (H100, HSTU-8L, 256 skewed users: one call
-        1,762 users/s, grouped 1,481).
+        1,762 users/s, grouped 1,481); its calls are cut at PREFILL_CALL_TOKENS only so
+        that a call's activations stay as small as the largest length class's were (one
+        call of ~120k tokens per worker ran three H100 workers out of memory).
         """
         groups: dict[int, list[UserWork]] = {}
+        chunk, chunk_tokens = 0, 0
         for w in work:
-            cls = 0 if self.jagged_prefill else max(64, int(w.tokens.shape[0]) - 1).bit_length()
-            groups.setdefault(cls, []).append(w)
+            n = int(w.tokens.shape[0])
+            if self.jagged_prefill:  # consecutive users, at most PREFILL_CALL_TOKENS a call
+                if chunk_tokens and chunk_tokens + n > PREFILL_CALL_TOKENS:
+                    chunk, chunk_tokens = chunk + 1, 0
+                chunk_tokens += n
+                groups.setdefault(chunk, []).append(w)
+            else:
+                groups.setdefault(max(64, n - 1).bit_length(), []).append(w)
         out: list[tuple[list[UserWork], torch.Tensor]] = []
         for _, group in sorted(groups.items()):
             items, actions, ts, offsets = self._jagged(group)

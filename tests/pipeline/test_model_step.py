@@ -7,12 +7,14 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.cache.kv_tiers import KVTiers
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
+from streamrec.pipeline import model_step
 from streamrec.pipeline.model_step import ModelStep, UserWork
 from streamrec.pipeline.scorer import Scorer
 from streamrec.pipeline.scoring_config import ScoringConfig
@@ -84,9 +86,13 @@ class _CountingHSTU(HSTU):
 
 
 @torch.no_grad()
-def test_jagged_prefill_rebuilds_every_length_class_in_one_call() -> None:
+@pytest.mark.parametrize(("call_tokens", "jagged_calls"), [(32_768, [3]), (220, [2, 1])])
+def test_jagged_prefill_rebuilds_every_length_class_in_one_call(
+    monkeypatch: pytest.MonkeyPatch, call_tokens: int, jagged_calls: list[int]
+) -> None:
     """A dense prefill goes per power-of-two length class; a jagged one pads nothing, so
-    the step makes one call, with the same outputs."""
+    the step makes one call (cut only at PREFILL_CALL_TOKENS), with the same outputs."""
+    monkeypatch.setattr(model_step, "PREFILL_CALL_TOKENS", call_tokens)
     cfg = dataclasses.replace(CFG, max_seq_len=256)
     torch.manual_seed(0)
     weights = HSTU(cfg).state_dict()
@@ -106,7 +112,7 @@ def test_jagged_prefill_rebuilds_every_length_class_in_one_call() -> None:
             cfg.task_names), cache.device, jagged_prefill=jagged,
         )  # fmt: skip
         outputs[jagged] = {o.user_id: o for o in step.run(work)[0]}
-        assert model.prefill_users == ([3] if jagged else [2, 1])
+        assert model.prefill_users == (jagged_calls if jagged else [2, 1])
     assert list(outputs[True]) == list(lengths)
     for user, want in outputs[False].items():
         np.testing.assert_array_equal(outputs[True][user].items, want.items)
