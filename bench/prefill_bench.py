@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     print(
         f"{args.config} on {args.device}: histories median {int(np.median(lengths))}, "
-        f"max {int(lengths.max())}; max |diff| full vs tight width {err:.2e}"
+        f"max {int(lengths.max())}; max |diff| full vs tight width "
+        f"{'not computed (--skip-dense)' if args.skip_dense else f'{err:.2e}'}"
     )
     meta = {"config": args.config, "device": args.device, "lengths": lengths.tolist(),
             "max_abs_diff": err, "fused_prefill": fused, "torch": torch.__version__}  # fmt: skip
