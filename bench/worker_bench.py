@@ -64,6 +64,7 @@ from bench._report import RESULTS_DIR, print_table, write_results
 from bench.bench_plan import BLOCK_SIZE, Plan, geometry, kv_budget, make_plan, process_kv_budget
 from bench.engine_bench import SMALL, WORKLOADS, _preload
 from bench.event_producer import Job, producer_process
+from bench.gpu_trace import gpu_trace
 from bench.reference_config import ReferenceWorkload
 from bench.worker_side import (
     AckLog,
@@ -234,36 +235,6 @@ async def waves(bench: Bench, phase: str, groups: Sequence[IntArray]) -> Row:
         events += len(users)
     # Between several waves the producer waits for the worker: it has no rate of its own.
     return bench.row(phase, a, bench.snap(), got if len(groups) == 1 else {"events": events})
-
-
-def gpu_trace(seconds: float, path: Path) -> Row:
-    """What the GPU did for ``seconds`` (CUPTI, every thread's kernels and copies): busy
-    share of the window (merged kernel/copy intervals), the top kernels, a Chrome trace."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        time.sleep(seconds)
-    torch.cuda.synchronize()
-    prof.export_chrome_trace(str(path))
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    busy, end = 0.0, -1.0
-    for lo, hi in spans:
-        if hi > end:
-            busy += hi - max(lo, end)
-            end = hi
-    window = (spans[-1][1] - spans[0][0]) if spans else 0.0
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    path.with_suffix(".txt").write_text(table)
-    return {
-        "trace": path.name, "window_ms": round(window / 1000, 1),
-        "gpu_busy_ms": round(busy / 1000, 1),
-        "gpu_busy_pct": round(100 * busy / window, 1) if window else 0.0,
-        "gpu_events": len(spans),
-    }  # fmt: skip
 
 
 async def paced(
