@@ -22,6 +22,7 @@ from streamrec.worker.model_loader import (
     export_config_for,
     graphed_serving_model,
     load_model,
+    prefill_is_jagged,
     set_host_threads,
 )
 from streamrec.worker.serving_stack import build_tiers
@@ -120,3 +121,10 @@ def test_host_threads_are_one_on_cuda_unless_configured() -> None:
         torch.set_num_threads(before)
     with pytest.raises(ConfigError, match="host_threads"):
         ModelConfig(host_threads=-1)
+
+
+def test_prefill_is_jagged_only_where_the_fused_op_runs(model_dir: Path) -> None:
+    """The CPU prefill is the dense recompute: the engine keeps its length classes there
+    (on CUDA with Triton the fused op pads nothing: one call, test_model_step.py)."""
+    cfg = load_checkpoint(model_dir).config
+    assert not prefill_is_jagged(cfg, torch.device("cpu"))
