@@ -40,12 +40,7 @@ from streamrec.worker.http_server import HttpServer, Response
 from streamrec.worker.intake import Intake
 from streamrec.worker.log_scoped_store import LogScopedStore
 from streamrec.worker.metrics import WorkerMetrics
-from streamrec.worker.model_loader import (
-    LoadedModel,
-    load_model,
-    prefill_is_jagged,
-    set_host_threads,
-)
+from streamrec.worker.model_loader import LoadedModel, load_model, set_host_threads
 from streamrec.worker.offset_tracker import OffsetTracker, OffsetTrackerStats
 from streamrec.worker.publisher import Publisher
 from streamrec.worker.rebalance import RebalanceListener
@@ -201,8 +196,7 @@ class App:
         scoped = LogScopedStore(self._store)
         vocab = loaded.checkpoint.vocab
         name, version = loaded.checkpoint.model_name, loaded.checkpoint.version
-        jagged = prefill_is_jagged(hstu, loaded.device)
-        config = EngineConfig(name, version, loaded.backend, scoring, jagged_prefill=jagged)
+        config = EngineConfig(name, version, loaded.backend, scoring, loaded.jagged_prefill)
         self.engine = Engine(model, tiers, scoped, vocab, hstu.task_names, config, catalog, gen)
         checkpoint = Checkpoint(
             self.config,

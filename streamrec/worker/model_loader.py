@@ -45,6 +45,11 @@ class LoadedModel:
     # ``serving_stack.build_catalog``, and serves eagerly.
     item_table: torch.Tensor | None = None
 
+    @property
+    def jagged_prefill(self) -> bool:
+        """The engine's prefill batching: one call where the prefill is jagged."""
+        return prefill_is_jagged(self.checkpoint.config, self.device)
+
 
 def resolve_device(name: str) -> torch.device:
     """``auto`` is CUDA when available, else CPU; ``cuda`` without a GPU is an error."""
