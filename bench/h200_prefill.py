@@ -118,15 +118,20 @@ def _prefill_rows(layer: Layer, batch: int, history: int, iters: int) -> list[di
     variants = [(launch, True, loop) for launch in pfk.PREFILL_LAUNCHES]
     variants.append((pfk.PREFILL_LAUNCHES[0], False, loop))  # exact SiLU (compiled graphs)
     variants.append((pfk.PREFILL_LAUNCHES[0], True, 32))  # every tile's compare loop (before)
+    variants.append((pfk.PREFILL_LAUNCHES[0], True, -1))  # "-thr": key-position time bias
+    variants.append(((128, 32, 8, 2), True, -1))
     for launch, fast, bucket_loop in variants:
+        thresholds = bucket_loop < 0
+        bucket_loop = loop if thresholds else bucket_loop
         bm, bn, warps, stages = launch
         call = partial(
             pfk.launch_prefill, q, k, v, ts, offsets, layer.pos_bias, layer.time_bias,
             layer.edges, layer.n, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-            fast=fast, bucket_loop=bucket_loop,
+            fast=fast, bucket_loop=bucket_loop, thresholds=thresholds,
         )  # fmt: skip
         name = "x".join(map(str, launch)) + ("" if fast else "-exact-silu")
         name += "" if bucket_loop == loop else f"-loop{bucket_loop}"
+        name += "-thr" if thresholds else ""
         try:
             err = _rel_err(call()[first], ref)
             ms = _time(call, iters)

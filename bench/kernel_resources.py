@@ -49,14 +49,14 @@ ROWS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
 
 def compile_prefill(launch: tuple[int, ...], dtype: str = "bf16", heads: int = 4,
                     head_dim: int = 128,
-                    bucket_loop: int = pfk.PREFILL_BUCKET_LOOP) -> Any:  # fmt: skip
+                    bucket_loop: int = pfk.PREFILL_BUCKET_LOOP, mode: int = 0) -> Any:  # fmt: skip
     """The prefill kernel at the HSTU reference shape (N = 4,096, 32 time buckets)."""
     block_m, block_n, warps, stages = launch
     fn = pfk._prefill_kernel
     types = {name: f"*{dtype}" for name in ROWS}
     types.update(ts_ptr="*i64", offsets_ptr="*i64", range_ptr="*fp64", pos_ptr="*fp32",
                  tb_ptr="*fp32", cell_edge_ptr="*fp64", cell_base_ptr="*i32",
-                 edges_ptr="*i64")  # fmt: skip
+                 edges_ptr="*i64", thr_ptr="*i32", sorted_ptr="*i32")  # fmt: skip
     scalars = {"num_users": "i32", "stride_q": "i32", "stride_k": "i32", "stride_v": "i32",
                "half_scale": "fp32", "inv_divisor": "fp32"}  # fmt: skip
     signature = {name: types.get(name) or scalars.get(name) or "constexpr" for name in fn.arg_names}
@@ -64,6 +64,7 @@ def compile_prefill(launch: tuple[int, ...], dtype: str = "bf16", heads: int = 4
         H=heads, D=head_dim, NUM_POS=4096, NUM_TIME=32, NUM_CELLS=pfk.NUM_CELLS,
         POS_PAD=pfk.POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n, USER_CHUNK=pfk.USER_CHUNK,
         IEEE=dtype == "fp32", FAST=dtype != "fp32", KV_FP8=False, BUCKET_LOOP=bucket_loop,
+        MODE=mode,
     )  # fmt: skip
     aligned = [*types, "stride_q", "stride_k", "stride_v"]  # as Triton specialises them
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
@@ -179,14 +180,17 @@ def main(argv: list[str] | None = None) -> int:
         return decode_main(args.dtype, args.inductor)
     if args.kernel == "scan":
         return scan_main(args.dtype)
-    for launch in pfk.PREFILL_LAUNCHES:
+    # mode 0: every user's time bias from timestamps; 1: from key positions ("-thr")
+    for launch, mode in [(launch, 0) for launch in pfk.PREFILL_LAUNCHES] + [
+        (launch, 1) for launch in pfk.PREFILL_LAUNCHES
+    ]:
         try:
-            row = resources(compile_prefill(launch, args.dtype))
+            row = resources(compile_prefill(launch, args.dtype, mode=mode))
         except Exception as exc:  # a shape Triton cannot lower
-            print(f"{launch}: {type(exc).__name__}: {exc}"[:200])
+            print(f"{launch} mode {mode}: {type(exc).__name__}: {exc}"[:200])
             continue
         print(
-            f"prefill {'x'.join(map(str, launch))}: "
+            f"prefill {'x'.join(map(str, launch))}{'-thr' if mode else ''}: "
             + ", ".join(f"{k} {v}" for k, v in row.items())
         )
     return 0

@@ -88,6 +88,7 @@ MODEL_CODE = (
     "streamrec.models.fused_layer",
     "streamrec.models.prefill_attention",
     "streamrec.models.prefill_kernels",
+    "streamrec.models.time_bias_kernels",
     "streamrec.models.retrieval",
     "streamrec.models.topk_merge",
     "streamrec.models.scratch_extend",

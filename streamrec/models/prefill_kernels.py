@@ -6,12 +6,11 @@ Biases, computed in the kernels, exactly (2 x the tables' halves is the referenc
 
 - relative position: one gather ``pos_bias[i - j, h]`` from a per-head row padded with
   zeros, so tiles index it without a clamp (the row stays in L1);
-- time: ``bucketize(|ts_i - ts_j|, edges)`` with integer edges. Timestamps go to fp64
-  (exact below 2^53 ms). A per-call table holds the min and max timestamp of every
-  BLOCK_N keys of every user, so each tile knows which buckets its |dt| can reach: most
-  tiles hit one bucket (a scalar add), the others cost one fp64 compare and select per
-  edge inside the range. A bucket of one value reads a cell table: the exponent and two
-  mantissa bits of |dt| name a quarter-octave cell holding at most one edge.
+- time: ``bucketize(|ts_i - ts_j|, edges)`` with integer edges, from timestamps (any
+  user) or from key positions (users whose timestamps never decrease, with
+  ``thresholds``): ``time_bias_kernels.py``. A per-call table holds the min and max
+  timestamp of every BLOCK_N keys of every user, so each tile knows which buckets its
+  |dt| can reach; most tiles hit one bucket (a scalar add).
 
 Programs are laid out jagged: user b's query tiles occupy program ids
 ``offsets[b] // BLOCK_M + b + (0 … tiles_b - 1)`` (disjoint for consecutive users, at most
@@ -38,6 +37,7 @@ import torch
 
 from streamrec.errors import ModelError
 from streamrec.models.paged_attention import fast_silu_allowed
+from streamrec.models.time_bias_kernels import NUM_CELLS, POS_PAD
 
 try:  # Triton ships with CUDA builds of torch only.
     import triton
@@ -46,11 +46,6 @@ except ImportError:  # pragma: no cover - exercised on the CPU CI machine
     triton = None
     tl = None
 
-# Cells of |dt|: fp64 exponent (0 … 63 above 1 ms) x 4 quarter octaves.
-NUM_CELLS = 256
-# Zeros either side of each head's pos-bias row: the prefill tiles index it by i - j with
-# no clamp (diagonal tiles reach j - i < BLOCK_N, padding rows i < len + BLOCK_M).
-POS_PAD = 128
 # Launch shapes (bench/h200_bench.py sweeps them; BENCHMARKS.md has the H200 figures).
 # BLOCK_N = 64 spills inside the key loop at 255 registers (ptxas, sm_90a). Of the shapes
 # that do not, 128 x 16 tiles, 8 warps, 3 stages is the fastest at batch 8 and 64 on the
@@ -64,8 +59,11 @@ PREFILL_WARPS = 8
 PREFILL_STAGES = 3
 # A prefill tile whose |dt| span more than this many time buckets takes each element's
 # bucket from its cell (three gathers) instead of one compare per bucket edge
-# (``_add_time_bias``); 32 (> any bucket count) keeps the compare loop everywhere.
+# (``add_time_bias``); 32 (> any bucket count) keeps the compare loop everywhere.
 PREFILL_BUCKET_LOOP = 4
+# Users whose timestamps never decrease take the time bias from key positions
+# (time_bias_kernels.py): off until a GPU sweep (rows "-thr") times it.
+PREFILL_THRESHOLDS = False
 # (BLOCK_M, BLOCK_N, warps, stages) the kernel sweep times; the defaults above come first.
 PREFILL_LAUNCHES = (
     (PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES),
@@ -110,6 +108,14 @@ def _heads_strided(x: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    from streamrec.models.time_bias_kernels import (
+        add_time_bias,
+        add_time_bias_sorted,
+        bias_tables,
+        bucket_range,
+        bucket_thresholds,
+        key_rab,
+    )
 
     @triton.jit
     def _silu_half(x, FAST: tl.constexpr):
@@ -144,107 +150,6 @@ if triton is not None:
             return acc + tl.dot(w, v.to(tl.float32), input_precision="ieee")
         else:
             return acc + tl.dot(w.to(v.dtype), v)
-
-    @triton.jit
-    def _bucket(x, cell_edge_ptr, cell_base_ptr, NUM_CELLS: tl.constexpr):
-        """bucketize(x, edges, right=True) for x >= 0, fp64 (an exact integer of ms), any
-        shape. The cell of x is read from its fp64 bits (exponent and two mantissa bits: no
-        rounding); the cell holds at most one edge, so the bucket is the cell's base plus
-        one compare with that edge."""
-        bits = x.to(tl.int64, bitcast=True)
-        cell = ((bits >> 50) & 0x1FFF).to(tl.int32) - 4092  # 4092 = 1023 (exponent bias) * 4
-        cell = tl.minimum(tl.maximum(cell, 0), NUM_CELLS - 1)
-        above = x >= tl.load(cell_edge_ptr + cell)  # the edge is huge in a cell without one
-        return tl.load(cell_base_ptr + cell) + above.to(tl.int32)
-
-    @triton.jit
-    def _min_max(lo_a, hi_a, lo_b, hi_b):
-        return tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b)
-
-    @triton.jit
-    def _add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
-                       cell_edge_ptr, cell_base_ptr, NUM_CELLS: tl.constexpr,
-                       BUCKET_LOOP: tl.constexpr):  # fmt: skip
-        """bias [BM, BN] + time_bias[bucket(|ts_i - ts_j|)] / 2 of one head, exactly.
-
-        The tile's |dt| lie in [near, far] (from the query and key timestamp ranges, or
-        any ranges that hold them), so its buckets lie in [b_lo, b_hi]: one bucket for most
-        tiles (a scalar add); up to BUCKET_LOOP more, one fp64 compare and select per edge
-        inside the range, no gathers; past that (the tiles at the diagonal, whose |dt|
-        start at 0: ~20 buckets with minutes between events) each element's own bucket,
-        from its cell, and three small gathers — a cost that does not grow with the range.
-        """
-        near = tl.maximum(tl.maximum(q_lo - k_hi, k_lo - q_hi), 0.0)
-        far = tl.maximum(q_hi - k_lo, k_hi - q_lo)
-        b_lo = _bucket(near, cell_edge_ptr, cell_base_ptr, NUM_CELLS)
-        b_hi = _bucket(far, cell_edge_ptr, cell_base_ptr, NUM_CELLS)
-        t_lo = tl.load(tb_row + b_lo)
-        if b_hi - b_lo > BUCKET_LOOP:
-            adt = tl.abs(ts_q[:, None] - ts_k[None, :])  # [BM, BN] fp64, exact
-            bucket = _bucket(adt, cell_edge_ptr, cell_base_ptr, NUM_CELLS)  # [BM, BN]
-            bias = bias + tl.load(tb_row + bucket)
-        elif b_lo < b_hi:
-            adt = tl.abs(ts_q[:, None] - ts_k[None, :])  # [BM, BN] fp64, exact
-            t = tl.zeros(bias.shape, dtype=tl.float32) + t_lo
-            for b in range(b_lo + 1, b_hi + 1):  # bucket >= b iff |dt| >= edges[b - 1]
-                edge = tl.load(edges_ptr + b - 1).to(tl.float64)
-                t = tl.where(adt >= edge, tl.load(tb_row + b), t)
-            bias = bias + t
-        else:
-            bias = bias + t_lo
-        return bias
-
-    @triton.jit
-    def _key_rab(rel, dt, pos_row, tb_row, cell_edge_ptr, cell_base_ptr, NUM_POS: tl.constexpr,
-                 NUM_CELLS: tl.constexpr):  # fmt: skip
-        """rab / 2 of one head per key (the candidates' bias row): two small gathers."""
-        rel = tl.minimum(tl.maximum(rel, 0), NUM_POS - 1)
-        bucket = _bucket(tl.abs(dt), cell_edge_ptr, cell_base_ptr, NUM_CELLS)
-        return tl.load(pos_row + rel) + tl.load(tb_row + bucket)
-
-    @triton.jit
-    def _bias_table_kernel(
-        pos_bias_ptr,  # [NUM_POS, H]
-        edges_ptr,  # [NUM_TIME - 1] int64
-        time_bias_ptr,  # [NUM_TIME, H]
-        pos_out_ptr,  # [H, POS_PAD + NUM_POS + POS_PAD] fp32: pos_bias / 2, transposed
-        tb_out_ptr,  # [H, NUM_TIME] fp32: time_bias / 2, transposed
-        cell_edge_ptr,  # [NUM_CELLS] fp64: the edge inside each cell (huge if none)
-        cell_base_ptr,  # [NUM_CELLS] int32: the buckets below each cell
-        H: tl.constexpr,
-        NUM_POS: tl.constexpr,
-        NUM_TIME: tl.constexpr,
-        NT_P2: tl.constexpr,
-        NUM_CELLS: tl.constexpr,
-        POS_PAD: tl.constexpr,
-        CHUNK: tl.constexpr,
-    ):
-        """One head's rows (and, head 0, the cells c = 4o + f: [2^o(1 + f/4), 2^o(1 + (f+1)/4)).
-        Halving is exact, so twice the sum of two halves is the reference's fp32 sum."""
-        h = tl.program_id(0)
-        width = NUM_POS + 2 * POS_PAD
-        for p0 in range(0, width, CHUNK):
-            p = p0 + tl.arange(0, CHUNK)  # index in the padded row; position p - POS_PAD
-            inside = (p >= POS_PAD) & (p < NUM_POS + POS_PAD)
-            row = tl.load(pos_bias_ptr + (p - POS_PAD) * H + h, mask=inside, other=0.0)
-            tl.store(pos_out_ptr + h * width + p, row.to(tl.float32) * 0.5, mask=p < width)
-        t = tl.arange(0, NT_P2)
-        tmask = t < NUM_TIME
-        row = tl.load(time_bias_ptr + t * H + h, mask=tmask, other=0.0).to(tl.float32)
-        tl.store(tb_out_ptr + h * NUM_TIME + t, row * 0.5, mask=tmask)
-        c = tl.arange(0, NUM_CELLS)
-        octave = (c // 4).to(tl.int64)
-        pow2 = ((octave + 1023) << 52).to(tl.float64, bitcast=True)  # 2^octave, exact
-        lower = pow2 * (1.0 + (c % 4).to(tl.float64) * 0.25)  # [NC], exact
-        emask = t < NUM_TIME - 1
-        edges = tl.load(edges_ptr + t, mask=emask, other=0).to(tl.float64)  # exact < 2^53
-        below = (edges[None, :] < lower[:, None]) & emask[None, :]  # [NC, NT_P2]
-        base = tl.sum(below.to(tl.int32), 1)  # [NC] buckets entirely below the cell
-        has_edge = base < NUM_TIME - 1
-        edge = tl.load(edges_ptr + base, mask=has_edge, other=0).to(tl.float64)
-        first = (c >= 0) & (h == 0)
-        tl.store(cell_edge_ptr + c, tl.where(has_edge, edge, 1e300), mask=first)
-        tl.store(cell_base_ptr + c, base, mask=first)
 
     @triton.jit
     def _ts_range_kernel(
@@ -309,7 +214,8 @@ if triton is not None:
         tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v, half_scale,
         D: tl.constexpr, NUM_CELLS: tl.constexpr, BLOCK_N: tl.constexpr,
         DIAGONAL: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
-        KV_FP8: tl.constexpr, BUCKET_LOOP: tl.constexpr,
+        KV_FP8: tl.constexpr, BUCKET_LOOP: tl.constexpr, thr_base, NUM_EDGES: tl.constexpr,
+        THRESHOLDS: tl.constexpr,
     ):  # fmt: skip
         """acc + Σ_j silu(q·k_j/√d + rab) v_j over keys n0 … n0+BLOCK_N-1 (times N; with
         KV_FP8 k, v are codes and the scales are in ``half_scale`` and the caller's 1/N)."""
@@ -324,8 +230,14 @@ if triton is not None:
         # i - j needs no clamp: the padded row covers the diagonal and the padding rows
         bias = tl.load(pos_row + (rows[:, None] - n0) - tl.arange(0, BLOCK_N)[None, :])
         k_lo, k_hi = _ts_range(range_row, n0 // BLOCK_N, 1, n, BLOCK_N)
-        bias = _add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
-                              cell_edge_ptr, cell_base_ptr, NUM_CELLS, BUCKET_LOOP)  # fmt: skip
+        if THRESHOLDS:  # the user's timestamps never decrease (time_bias_kernels.py)
+            b_lo, b_hi = bucket_range(q_lo, q_hi, k_lo, k_hi, cell_edge_ptr, cell_base_ptr,
+                                       NUM_CELLS)  # fmt: skip
+            bias = add_time_bias_sorted(bias, rows, cols, n, thr_base, b_lo, b_hi, tb_row,
+                                        NUM_EDGES)  # fmt: skip
+        else:
+            bias = add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
+                                  cell_edge_ptr, cell_base_ptr, NUM_CELLS, BUCKET_LOOP)  # fmt: skip
         w = _silu_half((s * half_scale).to(tl.float32) + bias, FAST)
         if DIAGONAL:
             w = tl.where(cols[None, :] <= rows[:, None], w, 0.0)
@@ -345,6 +257,8 @@ if triton is not None:
         cell_base_ptr,  # [NUM_CELLS] int32
         edges_ptr,  # [NUM_TIME - 1] int64
         kv_scale_ptr,  # [2, H] fp32 (KV_FP8): a key/value is code * scale
+        thr_ptr,  # [T, NUM_TIME - 1] int32 (MODE 1): ``time_bias_kernels.bucket_thresholds``
+        sorted_ptr,  # [B] int32 (MODE 1, 2): 1 where the user's timestamps never decrease
         out_ptr,  # [T, H, D] contiguous
         num_users,
         stride_q,
@@ -365,8 +279,11 @@ if triton is not None:
         FAST: tl.constexpr,
         KV_FP8: tl.constexpr,
         BUCKET_LOOP: tl.constexpr,
+        MODE: tl.constexpr,
     ):
-        """One query tile of one user x one head, causal over that user's keys."""
+        """One query tile of one user x one head, causal over that user's keys. MODE 0:
+        every user, the general time bias; 1: users whose timestamps never decrease, by
+        thresholds; 2: the other users, general (1 and 2 are two launches of one call)."""
         pid = tl.program_id(0)
         h = tl.program_id(1)
         # The user of this program: the last b whose first tile id offsets[b]//BM + b <= pid.
@@ -381,7 +298,12 @@ if triton is not None:
         n = (tl.load(offsets_ptr + user + 1) - start).to(tl.int32)
         local = pid - (start // BLOCK_M + user).to(tl.int32)
         n_tiles = (n + BLOCK_M - 1) // BLOCK_M
-        if local < n_tiles:
+        active = local < n_tiles
+        if MODE == 1:
+            active = active & (tl.load(sorted_ptr + user) != 0)
+        elif MODE == 2:
+            active = active & (tl.load(sorted_ptr + user) == 0)
+        if active:
             m0 = (n_tiles - 1 - local) * BLOCK_M  # heaviest tile of the user first
             rows = m0 + tl.arange(0, BLOCK_M)  # [BM] positions in the user
             rmask = rows < n
@@ -398,6 +320,7 @@ if triton is not None:
             q_lo, q_hi = _ts_range(range_row, m0 // BLOCK_N, BLOCK_M // BLOCK_N, n, BLOCK_N)
             pos_row = pos_ptr + h * (NUM_POS + 2 * POS_PAD) + POS_PAD
             tb_row = tb_ptr + h * NUM_TIME
+            thr_base = thr_ptr + start * (NUM_TIME - 1)
             if KV_FP8:  # the head's power-of-two scales: K into the scores, V into 1/N
                 s_half = (half_scale * tl.load(kv_scale_ptr + h)).to(tl.float32)
                 s_out = (inv_divisor * tl.load(kv_scale_ptr + H + h)).to(tl.float32)
@@ -410,12 +333,14 @@ if triton is not None:
                     acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
                     pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
                     s_half, D, NUM_CELLS, BLOCK_N, False, IEEE, FAST, KV_FP8, BUCKET_LOOP,
+                    thr_base, NUM_TIME - 1, MODE == 1,
                 )  # fmt: skip
             for n0 in range(m0, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the diagonal
                 acc = _prefill_tile(
                     acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
                     pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
                     s_half, D, NUM_CELLS, BLOCK_N, True, IEEE, FAST, KV_FP8, BUCKET_LOOP,
+                    thr_base, NUM_TIME - 1, MODE == 1,
                 )  # fmt: skip
             out = out_ptr + ((start + rows)[:, None] * H + h) * D + offs_d[None, :]
             acc = (acc * s_out).to(out_ptr.dtype.element_ty)  # the constant N, once
@@ -487,7 +412,7 @@ if triton is not None:
                 k, v, ts_k = _key_tile(k_base, v_base, ts_ptr + start, cols, k_end, stride_k,
                                        stride_v, D, True)  # fmt: skip
                 s = _scores(q, k, IEEE)  # [BM, BN]
-                bias = _key_rab(n - cols, ts_q - ts_k, pos_row, tb_row, cell_edge_ptr,
+                bias = key_rab(n - cols, ts_q - ts_k, pos_row, tb_row, cell_edge_ptr,
                                 cell_base_ptr, NUM_POS, NUM_CELLS)  # fmt: skip
                 w = _silu_half((s * half_scale).to(tl.float32) + bias[None, :], FAST)
                 acc = _accumulate(acc, w, v, IEEE)  # keys past k_end: V rows are zero
@@ -497,7 +422,7 @@ if triton is not None:
                 vc = tl.load(vc_ptr + crow[:, None] + offs_d[None, :], mask=cmask[:, None],
                              other=0.0).to(tl.float32)  # fmt: skip
                 zero = tl.zeros((BLOCK_M,), dtype=tl.int32)
-                bias0 = _key_rab(zero, zero.to(tl.float64), pos_row, tb_row, cell_edge_ptr,
+                bias0 = key_rab(zero, zero.to(tl.float64), pos_row, tb_row, cell_edge_ptr,
                                  cell_base_ptr, NUM_POS, NUM_CELLS)  # fmt: skip
                 s0 = (tl.sum(q.to(tl.float32) * kc, 1) * half_scale).to(tl.float32) + bias0
                 acc += _silu_half(s0, False)[:, None] * vc
@@ -507,27 +432,6 @@ if triton is not None:
                 tl.atomic_add(out, acc, mask=cmask[:, None])
             else:
                 tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=cmask[:, None])
-
-    def bias_tables(
-        pos_bias: torch.Tensor, time_bias: torch.Tensor, edges: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        """The kernels' tables (one small launch per call): pos_bias / 2 [H, NUM_POS] (with
-        POS_PAD zeros either side) and time_bias / 2 [H, NUM_TIME] fp32, per head; per cell
-        its edge [NUM_CELLS] fp64 and the buckets below it [NUM_CELLS] int32."""
-        num_time, num_heads = time_bias.shape
-        num_pos = pos_bias.shape[0]
-        dev = time_bias.device
-        pos_bias, time_bias = pos_bias.contiguous(), time_bias.contiguous()
-        pos = torch.empty(num_heads, num_pos + 2 * POS_PAD, dtype=torch.float32, device=dev)
-        tb = torch.empty(num_heads, num_time, dtype=torch.float32, device=dev)
-        cell_edge = torch.empty(NUM_CELLS, dtype=torch.float64, device=dev)
-        cell_base = torch.empty(NUM_CELLS, dtype=torch.int32, device=dev)
-        torch.library.wrap_triton(_bias_table_kernel)[(num_heads,)](
-            pos_bias, edges, time_bias, pos, tb, cell_edge, cell_base, H=num_heads,
-            NUM_POS=num_pos, NUM_TIME=num_time, NT_P2=triton.next_power_of_2(num_time),
-            NUM_CELLS=NUM_CELLS, POS_PAD=POS_PAD, CHUNK=1024,
-        )  # fmt: skip
-        return pos, tb, cell_edge, cell_base
 
     def launch_prefill(
         q: torch.Tensor,
@@ -546,10 +450,12 @@ if triton is not None:
         fast: bool = True,
         kv_scale: torch.Tensor | None = None,
         bucket_loop: int = PREFILL_BUCKET_LOOP,
+        thresholds: bool = PREFILL_THRESHOLDS,
     ) -> torch.Tensor:
         """The prefill kernel with an explicit launch shape (the op uses the defaults;
-        bench/h200_bench.py sweeps them); FP8 k, v with ``kv_scale [2, H]``. Returns
-        [T, H, d] in q's dtype."""
+        bench/h200_bench.py sweeps them); FP8 k, v with ``kv_scale [2, H]``; with
+        ``thresholds`` users whose timestamps never decrease take the time bias from key
+        positions (``time_bias_kernels.py``). Returns [T, H, d] in q's dtype."""
         q, k, v = _heads_strided(q), _heads_strided(k), _heads_strided(v)
         ts, offsets = ts.contiguous(), offsets.contiguous()  # indexed as dense vectors
         _check_offsets(pos_bias.shape[0], q, k, v)
@@ -567,16 +473,22 @@ if triton is not None:
         )  # fmt: skip
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         grid = (num_tokens // block_m + num_users + 1, num_heads)
-        torch.library.wrap_triton(_prefill_kernel)[grid](
-            q, k, v, ts, offsets, ranges, *tables, edges,
-            offsets if kv_scale is None else kv_scale, out, num_users, q.stride(0),
-            k.stride(0), v.stride(0), 0.5 / math.sqrt(head_dim), 1.0 / divisor, H=num_heads,
-            D=head_dim, NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
-            NUM_CELLS=NUM_CELLS, POS_PAD=POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n,
-            USER_CHUNK=USER_CHUNK, IEEE=q.dtype == torch.float32,
-            FAST=fast_silu_allowed(fast, q), KV_FP8=kv_scale is not None,
-            BUCKET_LOOP=bucket_loop, num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
+        modes: tuple[int, ...] = (0,)
+        thr, flags = offsets, offsets  # (pointers mode 0 does not read)
+        if thresholds and edges.shape[0] > 0:
+            thr, flags = bucket_thresholds(ts, offsets, edges, pos_bias.shape[0])
+            modes = (1, 2)
+        for mode in modes:
+            torch.library.wrap_triton(_prefill_kernel)[grid](
+                q, k, v, ts, offsets, ranges, *tables, edges,
+                offsets if kv_scale is None else kv_scale, thr, flags, out, num_users,
+                q.stride(0), k.stride(0), v.stride(0), 0.5 / math.sqrt(head_dim), 1.0 / divisor,
+                H=num_heads, D=head_dim, NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
+                NUM_CELLS=NUM_CELLS, POS_PAD=POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n,
+                USER_CHUNK=USER_CHUNK, IEEE=q.dtype == torch.float32,
+                FAST=fast_silu_allowed(fast, q), KV_FP8=kv_scale is not None,
+                BUCKET_LOOP=bucket_loop, MODE=mode, num_warps=num_warps, num_stages=num_stages,
+            )  # fmt: skip
         return out
 
     def launch_candidates(

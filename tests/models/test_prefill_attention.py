@@ -27,6 +27,7 @@ import torch
 from streamrec.errors import ModelError
 from streamrec.models import prefill_attention as pfa
 from streamrec.models import prefill_kernels as pfk
+from streamrec.models import time_bias_kernels as tbk
 from streamrec.models.attention import (
     relative_bias,
     silu_attention,
@@ -276,17 +277,17 @@ if pfa.triton_available():
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
         dt = tl.load(dt_ptr + i, mask=mask, other=0).to(tl.float64)
-        pos_row = pos_ptr + (NUM_POS + 2 * pfk.POS_PAD) + pfk.POS_PAD
+        pos_row = pos_ptr + (NUM_POS + 2 * tbk.POS_PAD) + tbk.POS_PAD
         tb_row = tb_ptr + NUM_TIME
         rel = tl.zeros([BLOCK], dtype=tl.int32)
-        key = pfk._key_rab(rel, dt, pos_row, tb_row, cell_edge_ptr, cell_base_ptr, NUM_POS,
+        key = tbk.key_rab(rel, dt, pos_row, tb_row, cell_edge_ptr, cell_base_ptr, NUM_POS,
                            NUM_CELLS)  # fmt: skip
         tl.store(key_out_ptr + i, key * 2.0, mask=mask)
         ts_q = tl.zeros([16], dtype=tl.float64)
-        q_lo, q_hi = tl.reduce((ts_q, ts_q), 0, pfk._min_max)
+        q_lo, q_hi = tl.reduce((ts_q, ts_q), 0, tbk.min_max)
         zero = tl.zeros([16, BLOCK], dtype=tl.float32)
-        k_lo, k_hi = tl.reduce((dt, dt), 0, pfk._min_max)
-        tile = pfk._add_time_bias(zero, ts_q, dt, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
+        k_lo, k_hi = tl.reduce((dt, dt), 0, tbk.min_max)
+        tile = tbk.add_time_bias(zero, ts_q, dt, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
                                   cell_edge_ptr, cell_base_ptr, NUM_CELLS,
                                   BUCKET_LOOP)  # fmt: skip
         tl.store(tile_out_ptr + i, tl.max(tile, 0) * 2.0, mask=mask)
@@ -312,15 +313,15 @@ def _probe_time_bias(device: str, bucket_loop: int) -> None:
     want_key = relative_bias(rel[None], dt[None], pos_bias, time_bias, edges)[1, 0]  # [n]
     want_time = time_bias[torch.bucketize(dt.abs(), edges, right=True), 1]
     dev = [t.to(device) for t in (dt, pos_bias, time_bias, edges)]
-    tables = pfk.bias_tables(dev[1], dev[2], dev[3])
-    pad = pfk.POS_PAD
+    tables = tbk.bias_tables(dev[1], dev[2], dev[3])
+    pad = tbk.POS_PAD
     assert torch.equal(tables[0].cpu()[:, pad:-pad] * 2, pos_bias.t())
     key = torch.zeros(dt.shape[0], device=device)
     tile = torch.zeros(dt.shape[0], device=device)
     block = 256
     torch.library.wrap_triton(_bias_probe)[(triton.cdiv(dt.shape[0], block),)](
         dev[0], key, tile, *tables, dev[3], dt.shape[0], NUM_POS=64, NUM_TIME=32,
-        NUM_CELLS=pfk.NUM_CELLS, BLOCK=block, BUCKET_LOOP=bucket_loop,
+        NUM_CELLS=tbk.NUM_CELLS, BLOCK=block, BUCKET_LOOP=bucket_loop,
     )  # fmt: skip
     assert torch.equal(key.cpu(), want_key), (key.cpu() - want_key).abs().max()
     assert torch.equal(tile.cpu(), want_time), (tile.cpu() - want_time).abs().max()
@@ -337,21 +338,54 @@ def test_interpreter_time_bias_is_exact(interpreter_scalars: None, bucket_loop: 
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    ("block_m", "block_n", "strided", "bucket_loop"),
-    [(16, 16, False, 4), (32, 16, True, 0), (64, 32, False, 32)],
-)
+    ("block_m", "block_n", "strided", "bucket_loop", "thresholds"),
+    [(16, 16, False, 4, False), (32, 16, True, 0, False), (64, 32, False, 32, False),
+     (16, 16, False, 4, True), (32, 16, True, 4, True)],
+)  # fmt: skip
 def test_interpreter_prefill(
-    interpreter_scalars: None, block_m: int, block_n: int, strided: bool, bucket_loop: int
+    interpreter_scalars: None,
+    block_m: int,
+    block_n: int,
+    strided: bool,
+    bucket_loop: int,
+    thresholds: bool,
 ) -> None:
-    """bucket_loop 0: every multi-bucket tile's buckets per element; 32: compares only."""
+    """bucket_loop 0: every multi-bucket tile's buckets per element; 32: compares only;
+    thresholds: users with sorted timestamps by key positions (the shuffled one and the
+    rest of the cases by timestamps, in the second launch)."""
     lens = [0, 1, *(block_m + d for d in (-1, 0, 1)), 2 * block_m, 3, 150]
     case = make_jagged(lens, "cpu", seed=block_m, head_dim=16, strided=strided)
-    got = case.prefill(block_m=block_m, block_n=block_n, num_warps=1, bucket_loop=bucket_loop)
+    got = case.prefill(block_m=block_m, block_n=block_n, num_warps=1, bucket_loop=bucket_loop,
+                       thresholds=thresholds)  # fmt: skip
+    if thresholds:  # the same biases, so the same sums bit for bit
+        general = case.prefill(block_m=block_m, block_n=block_n, num_warps=1)
+        assert torch.equal(got, general)
     err = rel_err(got, case.reference())
-    print(f"interpreter prefill {block_m}x{block_n} strided={strided} loop={bucket_loop}: "
-          f"rel err {err:.2e}")  # fmt: skip
+    print(f"interpreter prefill {block_m}x{block_n} strided={strided} loop={bucket_loop} "
+          f"thresholds={thresholds}: rel err {err:.2e}")  # fmt: skip
     assert got.shape == case.q.shape and got.dtype == case.q.dtype
     assert err < FP32_TOL
+
+
+@needs_interpreter
+def test_interpreter_bucket_thresholds(interpreter_scalars: None) -> None:
+    """thr[i, b] = keys j <= i of the user with ts_i - ts_j >= edges[b], for every user
+    whose timestamps never decrease; the others are flagged 0 (their rows unread)."""
+    case = make_jagged([0, 1, 5, 40, 3, 17, 64], "cpu", seed=3, head_dim=16)
+    edges = case.edges
+    thr, flags = tbk.bucket_thresholds(case.ts, case.offsets, edges, case.pos_bias.shape[0])
+    offsets = case.offsets.tolist()
+    for user in range(len(offsets) - 1):
+        ts = case.ts[offsets[user] : offsets[user + 1]]
+        ordered = bool((ts[1:] >= ts[:-1]).all())
+        assert int(flags[user]) == int(ordered), user
+        if not ordered:
+            continue
+        want = ((ts[:, None, None] - ts[None, :, None]) >= edges[None, None, :]) & (
+            torch.arange(len(ts))[None, :, None] <= torch.arange(len(ts))[:, None, None]
+        )  # [n, n, E]: key j counts for row i and edge b
+        got = thr[offsets[user] : offsets[user + 1]]
+        assert torch.equal(got, want.sum(1).to(torch.int32)), user
 
 
 @needs_interpreter
@@ -398,19 +432,23 @@ def test_prefill_long_histories() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("thresholds", [False, True])
 @pytest.mark.parametrize("launch", pfa.PREFILL_LAUNCHES[:2])
-def test_prefill_bf16(launch: tuple[int, int, int, int]) -> None:
-    """The default launch and the 8-warp one in bf16; the kernel sweep checks every other
-    launch shape against the fp32 reference (its rel_err_vs_fp32 column)."""
+def test_prefill_bf16(launch: tuple[int, int, int, int], thresholds: bool) -> None:
+    """The first two launches in bf16, the time bias from timestamps and (users with
+    sorted timestamps) from key positions; the kernel sweep checks every other launch
+    shape against the fp32 reference (its rel_err_vs_fp32 column)."""
     _cuda()
     exact = make_jagged([*edge_lengths(16, 3), 1100], "cuda", seed=3, heads=4, head_dim=128)
     low = exact.to(torch.bfloat16)
     want = low.to(torch.float32).reference()  # fp32 math on the bf16-rounded inputs
     block_m, block_n, warps, stages = launch
-    got = low.prefill(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+    got = low.prefill(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
+                      thresholds=thresholds)  # fmt: skip
     got_err = rel_err(got, want)
     torch_err = rel_err(low.reference(), want)
-    print(f"prefill bf16 {launch}: op {got_err:.2e}, torch bf16 path {torch_err:.2e}")
+    print(f"prefill bf16 {launch} thresholds={thresholds}: op {got_err:.2e}, "
+          f"torch bf16 path {torch_err:.2e}")  # fmt: skip
     assert got_err < BF16_TOL
     assert got_err <= 2 * torch_err + 1e-4
 
