@@ -219,8 +219,10 @@ for stage in "$@"; do
       cp bench/results/prefill_hstu-8l_cuda.json "$OUT/" 2>/dev/null ;;
     prefill-bucket)  # thirteenth session: the prefill's per-element time buckets in tiles
       # spanning more than PREFILL_BUCKET_LOOP buckets; exactness on CUDA, then the kernel
-      # rows at batch 64 (history 1,000 and 4,096): every launch, and "-loop32" (before)
-      python3 -m pytest -q -s -m gpu tests/models/test_prefill_attention.py -p no:cacheprovider \
+      # rows at batch 64 (history 1,000 and 4,096): every launch, "-loop32" (the compare
+      # loop everywhere) and "-thr" (the time bias from key positions, PREFILL_THRESHOLDS)
+      python3 -m pytest -q -s -m gpu tests/models/test_prefill_attention.py \
+        tests/models/test_time_bias_kernels.py -p no:cacheprovider \
         -k "time_bias or long_histories or prefill_bf16" 2>&1 | tee "$OUT/prefill_bucket_tests.log" \
         | grep -E "rel err|passed|failed|Error" | tail -14
       python3 -c "

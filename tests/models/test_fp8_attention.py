@@ -29,6 +29,7 @@ from streamrec.models.fp8 import FP8, dequantize, power_of_two_scale, quantize
 from streamrec.models.quantization import apply_precision
 from streamrec.models.serving_precision import ServingPrecision
 from tests.models.kernel_device import kernel_device
+from tests.models.prefill_cases import make_jagged
 from tests.models.test_hstu_gpu import _model
 from tests.models.test_paged_attention import (
     BATCHES,
@@ -43,7 +44,6 @@ from tests.models.test_paged_attention import (
     per_user_errors,
     rel_err,
 )
-from tests.models.test_prefill_attention import make_jagged
 from tests.triton_interpreter import INTERPRET
 
 

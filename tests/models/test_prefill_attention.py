@@ -17,8 +17,7 @@ no worse than 2x the error of the bf16 torch path itself.
 from __future__ import annotations
 
 import itertools
-import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -26,132 +25,24 @@ import torch
 
 from streamrec.errors import ModelError
 from streamrec.models import prefill_attention as pfa
-from streamrec.models import prefill_kernels as pfk
-from streamrec.models import time_bias_kernels as tbk
 from streamrec.models.attention import (
-    relative_bias,
     silu_attention,
-    time_bucket_edges,
 )
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
 from tests.models.paged import FakePagedCache
+from tests.models.prefill_cases import (
+    BASE_TS,
+    BF16_TOL,
+    FP32_TOL,
+    Jagged,
+    edge_lengths,
+    make_jagged,
+    needs_interpreter,
+    rel_err,
+    require_cuda,
+)
 from tests.models.test_hstu_gpu import _model as gpu_model
-from tests.triton_interpreter import INTERPRET, patch_scalars
-
-FP32_TOL = 1e-5
-BF16_TOL = 1e-2
-BASE_TS = 1_700_000_000_000
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    assert torch.isfinite(got).all(), "op output has NaN/inf"
-    return float((got - want).norm() / want.norm().clamp(min=1e-30))
-
-
-@dataclass
-class Jagged:
-    """One layer's jagged q/k/v with timestamps, biases and candidates per user."""
-
-    q: torch.Tensor  # [T, H, d] (views of one [T, 4, H, d] projection when strided)
-    k: torch.Tensor
-    v: torch.Tensor
-    ts: torch.Tensor  # [T]
-    offsets: torch.Tensor  # [B + 1]
-    qc: torch.Tensor  # [B, C, H, d]
-    kc: torch.Tensor
-    vc: torch.Tensor
-    query_ts: torch.Tensor  # [B]: the user's newest timestamp
-    pos_bias: torch.Tensor  # [N, H]
-    time_bias: torch.Tensor  # [NT, H]
-    edges: torch.Tensor  # [NT - 1]
-    divisor: int
-
-    def tail(self) -> tuple[torch.Tensor | int, ...]:
-        return self.pos_bias, self.time_bias, self.edges, self.divisor
-
-    def reference(self) -> torch.Tensor:
-        return pfa.jagged_silu_attention_reference(
-            self.q, self.k, self.v, self.ts, self.offsets, *self.tail()
-        )
-
-    def cand_reference(self) -> torch.Tensor:
-        return pfa.jagged_candidate_attention_reference(
-            self.qc, self.kc, self.vc, self.query_ts, self.k, self.v, self.ts, self.offsets,
-            *self.tail(),
-        )  # fmt: skip
-
-    def prefill(self, **launch: int) -> torch.Tensor:
-        if launch:
-            return pfa.launch_prefill(
-                self.q, self.k, self.v, self.ts, self.offsets, *self.tail(), **launch
-            )
-        return pfa.fused_prefill_attention(
-            self.q, self.k, self.v, self.ts, self.offsets, *self.tail()
-        )
-
-    def candidates(self, **launch: int) -> torch.Tensor:
-        args = (self.qc, self.kc, self.vc, self.query_ts, self.k, self.v, self.ts, self.offsets)
-        if launch:
-            return pfa.launch_candidates(*args, *self.tail(), **launch)
-        return pfa.fused_prefill_candidates(*args, *self.tail())
-
-    def to(self, dtype: torch.dtype) -> Jagged:
-        """The same case with float tensors in ``dtype`` (index tensors untouched)."""
-        names = ("q", "k", "v", "qc", "kc", "vc", "pos_bias", "time_bias")
-        return replace(self, **{n: getattr(self, n).to(dtype) for n in names})
-
-
-def make_jagged(
-    lens: list[int], device: str, seed: int, heads: int = 2, head_dim: int = 32,
-    cands: int = 5, num_pos: int = 4096, strided: bool = False,
-) -> Jagged:  # fmt: skip
-    """Timestamps cover every time bucket: sorted users with gaps of 0 … 1e8 ms, one with
-    gaps up to ~3 years, one shuffled (|dt| both ways), one with equal timestamps."""
-    gen = torch.Generator().manual_seed(seed)
-    total = sum(lens)
-    ts_parts = []
-    for b, n in enumerate(lens):
-        top = 10**11 if b % 4 == 1 else 10**8
-        gaps = torch.randint(0, top, (n,), generator=gen)
-        part = BASE_TS + torch.cumsum(gaps, 0)
-        if b % 4 == 2:
-            part = part[torch.randperm(n, generator=gen)]
-        if b % 7 == 3:
-            part = torch.full((n,), BASE_TS + b)
-        ts_parts.append(part)
-    ts = torch.cat(ts_parts) if ts_parts else torch.zeros(0, dtype=torch.int64)
-    offsets = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int64)
-    if strided:  # q, k, v as the projection leaves them: rows 4·H·d apart
-        proj = torch.randn(total, 4, heads, head_dim, generator=gen)
-        q, k, v = proj[:, 2], proj[:, 3], proj[:, 1]
-    else:
-        q, k, v = (torch.randn(total, heads, head_dim, generator=gen) for _ in range(3))
-    qc, kc, vc = (torch.randn(len(lens), cands, heads, head_dim, generator=gen) for _ in range(3))
-    newest = torch.tensor([int(p.max()) if len(p) else BASE_TS for p in ts_parts])
-    num_time = 32
-    case = Jagged(
-        q=q, k=k, v=v, ts=ts, offsets=offsets, qc=qc, kc=kc, vc=vc,
-        query_ts=newest + torch.randint(0, 10**6, (len(lens),), generator=gen),
-        pos_bias=torch.randn(num_pos, heads, generator=gen) * 0.5,
-        time_bias=torch.randn(num_time, heads, generator=gen) * 0.5,
-        edges=time_bucket_edges(num_time, 0.6), divisor=num_pos,
-    )  # fmt: skip
-    for name, value in case.__dict__.items():
-        if isinstance(value, torch.Tensor):
-            setattr(case, name, value.to(device))
-    return case
-
-
-def edge_lengths(batch: int, seed: int, block: int = 128, cap: int = 300) -> list[int]:
-    """0, 1, tile boundaries ±1, then random lengths up to ``cap``."""
-    rng = random.Random(seed)
-    fixed = [0, 1, block - 1, block, block + 1, 2 * block, 64, cap]
-    return [fixed[i] if i < len(fixed) else rng.randint(0, cap) for i in range(batch)]
-
-
-# ------------------------------------------------------------------------ CPU
 
 
 def _small_model(seed: int = 0, layers: int = 1) -> HSTU:
@@ -245,95 +136,8 @@ def test_check_inputs() -> None:
 
 # ------------------------------------------------------------------ kernels
 
-needs_interpreter = pytest.mark.skipif(
-    not (INTERPRET and pfa.triton_available()),
-    reason="needs TRITON_INTERPRET=1 and Triton (the /work/triton-venv interpreter)",
-)
-
-
-def _cuda() -> None:
-    if INTERPRET or not torch.cuda.is_available():
-        pytest.skip("needs CUDA (and no TRITON_INTERPRET)")
-
-
-@pytest.fixture
-def interpreter_scalars(monkeypatch: pytest.MonkeyPatch) -> None:
-    patch_scalars(monkeypatch)
-
-
-if pfa.triton_available():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _bias_probe(
-        dt_ptr, key_out_ptr, tile_out_ptr, pos_ptr, tb_ptr, cell_edge_ptr, cell_base_ptr,
-        edges_ptr, n, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, NUM_CELLS: tl.constexpr,
-        BLOCK: tl.constexpr, BUCKET_LOOP: tl.constexpr,
-    ):  # fmt: skip
-        """Head 1: 2 x the per-key rab / 2 at relative position 0, and 2 x the tile time
-        bias / 2 of 16 queries at ts 0 against keys at ts = dt (one tile, every edge: the
-        per-element buckets, or with BUCKET_LOOP >= 32 the compare per edge)."""
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = i < n
-        dt = tl.load(dt_ptr + i, mask=mask, other=0).to(tl.float64)
-        pos_row = pos_ptr + (NUM_POS + 2 * tbk.POS_PAD) + tbk.POS_PAD
-        tb_row = tb_ptr + NUM_TIME
-        rel = tl.zeros([BLOCK], dtype=tl.int32)
-        key = tbk.key_rab(rel, dt, pos_row, tb_row, cell_edge_ptr, cell_base_ptr, NUM_POS,
-                           NUM_CELLS)  # fmt: skip
-        tl.store(key_out_ptr + i, key * 2.0, mask=mask)
-        ts_q = tl.zeros([16], dtype=tl.float64)
-        q_lo, q_hi = tl.reduce((ts_q, ts_q), 0, tbk.min_max)
-        zero = tl.zeros([16, BLOCK], dtype=tl.float32)
-        k_lo, k_hi = tl.reduce((dt, dt), 0, tbk.min_max)
-        tile = tbk.add_time_bias(zero, ts_q, dt, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
-                                  cell_edge_ptr, cell_base_ptr, NUM_CELLS,
-                                  BUCKET_LOOP)  # fmt: skip
-        tl.store(tile_out_ptr + i, tl.max(tile, 0) * 2.0, mask=mask)
-
-
-def _probe_time_bias(device: str, bucket_loop: int) -> None:
-    """Kernel biases of head 1 equal relative_bias bit for bit at every edge ±1, every
-    cell bound ±1, 0 and 2^k up to 2^45 ms, both signs, per key and per tile."""
-    edges = time_bucket_edges(32, 0.6)
-    gen = torch.Generator().manual_seed(0)
-    probes = {0, 1, 2, 3}
-    for e in edges.tolist():
-        probes |= {e - 1, e, e + 1}
-    for octave in range(46):
-        for quarter in range(4):
-            bound = (4 + quarter) << octave >> 2
-            probes |= {bound - 1, bound, bound + 1}
-    dt = torch.tensor(sorted(p for p in probes if p >= 0), dtype=torch.int64)
-    dt = torch.cat([dt, -dt, torch.randint(-(10**12), 10**12, (256,), generator=gen)])
-    pos_bias = torch.randn(64, 2, generator=gen)
-    time_bias = torch.randn(32, 2, generator=gen)
-    rel = torch.zeros_like(dt)
-    want_key = relative_bias(rel[None], dt[None], pos_bias, time_bias, edges)[1, 0]  # [n]
-    want_time = time_bias[torch.bucketize(dt.abs(), edges, right=True), 1]
-    dev = [t.to(device) for t in (dt, pos_bias, time_bias, edges)]
-    tables = tbk.bias_tables(dev[1], dev[2], dev[3])
-    pad = tbk.POS_PAD
-    assert torch.equal(tables[0].cpu()[:, pad:-pad] * 2, pos_bias.t())
-    key = torch.zeros(dt.shape[0], device=device)
-    tile = torch.zeros(dt.shape[0], device=device)
-    block = 256
-    torch.library.wrap_triton(_bias_probe)[(triton.cdiv(dt.shape[0], block),)](
-        dev[0], key, tile, *tables, dev[3], dt.shape[0], NUM_POS=64, NUM_TIME=32,
-        NUM_CELLS=tbk.NUM_CELLS, BLOCK=block, BUCKET_LOOP=bucket_loop,
-    )  # fmt: skip
-    assert torch.equal(key.cpu(), want_key), (key.cpu() - want_key).abs().max()
-    assert torch.equal(tile.cpu(), want_time), (tile.cpu() - want_time).abs().max()
-
 
 # CPU interpreter: small shapes, tile sizes small enough to cross many tile boundaries.
-
-
-@needs_interpreter
-@pytest.mark.parametrize("bucket_loop", [pfk.PREFILL_BUCKET_LOOP, 32])
-def test_interpreter_time_bias_is_exact(interpreter_scalars: None, bucket_loop: int) -> None:
-    _probe_time_bias("cpu", bucket_loop)
 
 
 @needs_interpreter
@@ -368,27 +172,6 @@ def test_interpreter_prefill(
 
 
 @needs_interpreter
-def test_interpreter_bucket_thresholds(interpreter_scalars: None) -> None:
-    """thr[i, b] = keys j <= i of the user with ts_i - ts_j >= edges[b], for every user
-    whose timestamps never decrease; the others are flagged 0 (their rows unread)."""
-    case = make_jagged([0, 1, 5, 40, 3, 17, 64], "cpu", seed=3, head_dim=16)
-    edges = case.edges
-    thr, flags = tbk.bucket_thresholds(case.ts, case.offsets, edges, case.pos_bias.shape[0])
-    offsets = case.offsets.tolist()
-    for user in range(len(offsets) - 1):
-        ts = case.ts[offsets[user] : offsets[user + 1]]
-        ordered = bool((ts[1:] >= ts[:-1]).all())
-        assert int(flags[user]) == int(ordered), user
-        if not ordered:
-            continue
-        want = ((ts[:, None, None] - ts[None, :, None]) >= edges[None, None, :]) & (
-            torch.arange(len(ts))[None, :, None] <= torch.arange(len(ts))[:, None, None]
-        )  # [n, n, E]: key j counts for row i and edge b
-        got = thr[offsets[user] : offsets[user + 1]]
-        assert torch.equal(got, want.sum(1).to(torch.int32)), user
-
-
-@needs_interpreter
 @pytest.mark.parametrize(("target", "cands"), [(1, 5), (512, 37)])
 def test_interpreter_candidates(interpreter_scalars: None, target: int, cands: int) -> None:
     """target 1: one key range per user (plain store); 512: many ranges (atomics)."""
@@ -405,16 +188,9 @@ def test_interpreter_candidates(interpreter_scalars: None, target: int, cands: i
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bucket_loop", [pfk.PREFILL_BUCKET_LOOP, 32])
-def test_time_bias_is_exact_on_cuda(bucket_loop: int) -> None:
-    _cuda()
-    _probe_time_bias("cuda", bucket_loop)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_prefill_fp32(batch: int) -> None:
-    _cuda()
+    require_cuda()
     case = make_jagged(edge_lengths(batch, batch), "cuda", seed=batch, head_dim=64,
                        strided=batch == 8)  # fmt: skip
     err = rel_err(case.prefill(), case.reference())
@@ -424,7 +200,7 @@ def test_prefill_fp32(batch: int) -> None:
 
 @pytest.mark.gpu
 def test_prefill_long_histories() -> None:
-    _cuda()
+    require_cuda()
     case = make_jagged([4096, 1000, 2049, 0, 129], "cuda", seed=5, heads=4, head_dim=128)
     err = rel_err(case.prefill(), case.reference())
     print(f"prefill fp32 long: rel err {err:.2e}")
@@ -438,7 +214,7 @@ def test_prefill_bf16(launch: tuple[int, int, int, int], thresholds: bool) -> No
     """The first two launches in bf16, the time bias from timestamps and (users with
     sorted timestamps) from key positions; the kernel sweep checks every other launch
     shape against the fp32 reference (its rel_err_vs_fp32 column)."""
-    _cuda()
+    require_cuda()
     exact = make_jagged([*edge_lengths(16, 3), 1100], "cuda", seed=3, heads=4, head_dim=128)
     low = exact.to(torch.bfloat16)
     want = low.to(torch.float32).reference()  # fp32 math on the bf16-rounded inputs
@@ -458,7 +234,7 @@ def test_prefill_bf16(launch: tuple[int, int, int, int], thresholds: bool) -> No
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_candidates(batch: int, dtype: torch.dtype) -> None:
     """Batch 1 is cut into many key ranges (atomics), batch 64 is not."""
-    _cuda()
+    require_cuda()
     exact = make_jagged(edge_lengths(batch, batch + 1), "cuda", seed=batch, heads=4,
                         head_dim=128, cands=256 if batch < 64 else 40)  # fmt: skip
     if dtype == torch.float32:
@@ -494,7 +270,7 @@ MODEL_TOL = {"float32": 1e-4, "bfloat16": 3e-2}
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @torch.inference_mode()
 def test_hstu_prefill_fused_equals_dense(dtype: str) -> None:
-    _cuda()
+    require_cuda()
     model = gpu_model(dtype)
     inputs = _histories(model, [512, 1, 0, 127, 128, 129, 300, 5])
     fused = model.prefill(*inputs)
@@ -512,7 +288,7 @@ def test_hstu_prefill_fused_equals_dense(dtype: str) -> None:
 @torch.inference_mode()
 def test_export_keeps_the_prefill_op() -> None:
     """torch.export of HSTU.prefill with dynamic T and B keeps one op node per layer."""
-    _cuda()
+    require_cuda()
     from torch.export import Dim
 
     model = gpu_model("float32")
