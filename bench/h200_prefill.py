@@ -115,14 +115,13 @@ def _prefill_rows(layer: Layer, batch: int, history: int, iters: int) -> list[di
     flops = 4.0 * layer.heads * layer.head_dim * batch * history * (history + 1) / 2
     rows = []
     loop = pfk.PREFILL_BUCKET_LOOP
-    variants = [(launch, True, loop) for launch in pfk.PREFILL_LAUNCHES]
-    variants.append((pfk.PREFILL_LAUNCHES[0], False, loop))  # exact SiLU (compiled graphs)
-    variants.append((pfk.PREFILL_LAUNCHES[0], True, 32))  # every tile's compare loop (before)
-    variants.append((pfk.PREFILL_LAUNCHES[0], True, -1))  # "-thr": key-position time bias
-    variants.append(((128, 32, 8, 2), True, -1))
-    for launch, fast, bucket_loop in variants:
-        thresholds = bucket_loop < 0
-        bucket_loop = loop if thresholds else bucket_loop
+    # (launch, fast SiLU, bucket loop, time bias from key positions)
+    variants = [(launch, True, loop, False) for launch in pfk.PREFILL_LAUNCHES]
+    variants.append((pfk.PREFILL_LAUNCHES[0], False, loop, False))  # exact SiLU (graphs)
+    variants.append((pfk.PREFILL_LAUNCHES[0], True, 32, False))  # the compare loop everywhere
+    variants.append((pfk.PREFILL_LAUNCHES[0], True, loop, True))  # "-thr"
+    variants.append(((128, 32, 8, 2), True, loop, True))
+    for launch, fast, bucket_loop, thresholds in variants:
         bm, bn, warps, stages = launch
         call = partial(
             pfk.launch_prefill, q, k, v, ts, offsets, layer.pos_bias, layer.time_bias,
