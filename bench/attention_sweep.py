@@ -52,7 +52,7 @@ Tail = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
 EXTEND_VARIANTS: list[tuple[int, ...]] = [
     (pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.TARGET_PROGRAMS, pa.DECODE_ACC2D),
     (64, 4, 1024, True), (16, 4, 1024, True), (32, 2, 1024, True), (64, 8, 1024, True),
-    (32, 4, 2048, True), (64, 2, 1024, False), (32, 4, 512, True), (32, 4, 4096, True),
+    (32, 4, 2048, True), (64, 2, 1024, False), (32, 4, 1024, True), (32, 4, 4096, True),
     (64, 4, 4096, True),
     # the next tile's loads before this tile's math (launch suffix x1): 16-key tiles keep
     # 123 registers (4 programs/SM), 32-key ones take 224 (2); kernel_resources --kernel decode
