@@ -5,6 +5,7 @@ fused prefill kernels)."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,16 +28,23 @@ from streamrec.schemas.events import Action
 BLOCK_SIZE = 16
 BASE_TS = 1_700_000_000_000
 Step = Callable[[], Any]
+WARM_S = 0.03  # seconds of untimed calls before a timing (time_ms)
 
 
 # ------------------------------------------------------------------ timing
 
 
 def time_ms(fn: Step, iters: int, warmup: int = 3) -> list[float]:
-    """Per-call device times (CUDA events around each call), after ``warmup`` calls."""
+    """Per-call device times (CUDA events around each call), after ``warmup`` calls and at
+    least ``WARM_S`` of calls: from idle (a compile between two variants) the clocks take
+    milliseconds to rise, and a sweep's first variant read 10-15 % slow without it."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < WARM_S:
+        fn()
+        torch.cuda.synchronize()
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(iters)

@@ -57,8 +57,8 @@ def compile_prefill(launch: tuple[int, ...], dtype: str = "bf16", heads: int = 4
     types.update(ts_ptr="*i64", offsets_ptr="*i64", range_ptr="*fp64", pos_ptr="*fp32",
                  tb_ptr="*fp32", cell_edge_ptr="*fp64", cell_base_ptr="*i32",
                  edges_ptr="*i64", thr_ptr="*i32", sorted_ptr="*i32")  # fmt: skip
-    scalars = {"num_users": "i32", "num_tokens": "i32", "stride_q": "i32", "stride_k": "i32",
-               "stride_v": "i32", "half_scale": "fp32", "inv_divisor": "fp32"}  # fmt: skip
+    scalars = {"num_users": "i32", "stride_q": "i32", "stride_k": "i32", "stride_v": "i32",
+               "half_scale": "fp32", "inv_divisor": "fp32"}  # fmt: skip
     signature = {name: types.get(name) or scalars.get(name) or "constexpr" for name in fn.arg_names}
     constants = dict(
         H=heads, D=head_dim, NUM_POS=4096, NUM_TIME=32, NUM_CELLS=pfk.NUM_CELLS,

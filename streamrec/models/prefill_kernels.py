@@ -214,7 +214,7 @@ if triton is not None:
         tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v, half_scale,
         D: tl.constexpr, NUM_CELLS: tl.constexpr, BLOCK_N: tl.constexpr,
         DIAGONAL: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
-        KV_FP8: tl.constexpr, BUCKET_LOOP: tl.constexpr, thr_base, thr_stride,
+        KV_FP8: tl.constexpr, BUCKET_LOOP: tl.constexpr, thr_base, NUM_EDGES: tl.constexpr,
         THRESHOLDS: tl.constexpr,
     ):  # fmt: skip
         """acc + Σ_j silu(q·k_j/√d + rab) v_j over keys n0 … n0+BLOCK_N-1 (times N; with
@@ -233,8 +233,8 @@ if triton is not None:
         if THRESHOLDS:  # the user's timestamps never decrease (time_bias_kernels.py)
             b_lo, b_hi = bucket_range(q_lo, q_hi, k_lo, k_hi, cell_edge_ptr, cell_base_ptr,
                                        NUM_CELLS)  # fmt: skip
-            bias = add_time_bias_sorted(bias, rows, cols, n, thr_base, thr_stride, b_lo, b_hi,
-                                        tb_row)  # fmt: skip
+            bias = add_time_bias_sorted(bias, rows, cols, n, thr_base, b_lo, b_hi, tb_row,
+                                        NUM_EDGES)  # fmt: skip
         else:
             bias = add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
                                   cell_edge_ptr, cell_base_ptr, NUM_CELLS, BUCKET_LOOP)  # fmt: skip
@@ -257,11 +257,10 @@ if triton is not None:
         cell_base_ptr,  # [NUM_CELLS] int32
         edges_ptr,  # [NUM_TIME - 1] int64
         kv_scale_ptr,  # [2, H] fp32 (KV_FP8): a key/value is code * scale
-        thr_ptr,  # [NUM_TIME - 1, T] int32 (MODE 1): ``time_bias_kernels.bucket_thresholds``
+        thr_ptr,  # [T, NUM_TIME - 1] int32 (MODE 1): ``time_bias_kernels.bucket_thresholds``
         sorted_ptr,  # [B] int32 (MODE 1, 2): 1 where the user's timestamps never decrease
         out_ptr,  # [T, H, D] contiguous
         num_users,
-        num_tokens,  # T (MODE 1: the stride of thr)
         stride_q,
         stride_k,
         stride_v,
@@ -321,7 +320,7 @@ if triton is not None:
             q_lo, q_hi = _ts_range(range_row, m0 // BLOCK_N, BLOCK_M // BLOCK_N, n, BLOCK_N)
             pos_row = pos_ptr + h * (NUM_POS + 2 * POS_PAD) + POS_PAD
             tb_row = tb_ptr + h * NUM_TIME
-            thr_base = thr_ptr + start
+            thr_base = thr_ptr + start * (NUM_TIME - 1)
             if KV_FP8:  # the head's power-of-two scales: K into the scores, V into 1/N
                 s_half = (half_scale * tl.load(kv_scale_ptr + h)).to(tl.float32)
                 s_out = (inv_divisor * tl.load(kv_scale_ptr + H + h)).to(tl.float32)
@@ -334,14 +333,14 @@ if triton is not None:
                     acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
                     pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
                     s_half, D, NUM_CELLS, BLOCK_N, False, IEEE, FAST, KV_FP8, BUCKET_LOOP,
-                    thr_base, num_tokens, MODE == 1,
+                    thr_base, NUM_TIME - 1, MODE == 1,
                 )  # fmt: skip
             for n0 in range(m0, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the diagonal
                 acc = _prefill_tile(
                     acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
                     pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
                     s_half, D, NUM_CELLS, BLOCK_N, True, IEEE, FAST, KV_FP8, BUCKET_LOOP,
-                    thr_base, num_tokens, MODE == 1,
+                    thr_base, NUM_TIME - 1, MODE == 1,
                 )  # fmt: skip
             out = out_ptr + ((start + rows)[:, None] * H + h) * D + offs_d[None, :]
             acc = (acc * s_out).to(out_ptr.dtype.element_ty)  # the constant N, once
@@ -482,7 +481,7 @@ if triton is not None:
         for mode in modes:
             torch.library.wrap_triton(_prefill_kernel)[grid](
                 q, k, v, ts, offsets, ranges, *tables, edges,
-                offsets if kv_scale is None else kv_scale, thr, flags, out, num_users, num_tokens,
+                offsets if kv_scale is None else kv_scale, thr, flags, out, num_users,
                 q.stride(0), k.stride(0), v.stride(0), 0.5 / math.sqrt(head_dim), 1.0 / divisor,
                 H=num_heads, D=head_dim, NUM_POS=pos_bias.shape[0], NUM_TIME=time_bias.shape[0],
                 NUM_CELLS=NUM_CELLS, POS_PAD=POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n,

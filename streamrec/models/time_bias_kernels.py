@@ -15,10 +15,11 @@ issue 14).
 ``ts_i - ts_j`` for keys ``j <= i`` falls as ``j`` rises, so for each query row ``i`` and
 edge ``e_b`` the keys with ``ts_i - ts_j >= e_b`` are a prefix ``j < thr[i, b]``, and the
 bucket of ``(i, j)`` is the number of thresholds above ``j``. ``bucket_thresholds``
-computes ``thr [E, T]`` (a binary search per token and edge; edge-major, so a tile's
-``[BM]`` thresholds of one edge are one contiguous load) and flags the users it holds
+computes ``thr [T, E]`` (a binary search per token and edge) and flags the users it holds
 for; a tile then compares its int32 column index with ``[BM]`` thresholds per edge in its
-range: exact, with no per-element fp64.
+range: exact, with no per-element fp64. (Row-major on purpose: the edge-major layout,
+one contiguous ``[BM]`` load per edge, ran 1.19x slower at history 1,000 and 1.12x at
+4,096 on the H100, 2026-12-06; BENCHMARKS.md issue 14.)
 """
 
 from __future__ import annotations
@@ -162,9 +163,9 @@ if triton is not None:
         ts_ptr,  # [T] int64
         offsets_ptr,  # [B + 1] int64
         edges_ptr,  # [E] int64
-        thr_ptr,  # [E, T] int32: keys j of the user with ts_i - ts_j >= edges[b] (sorted)
+        thr_ptr,  # [T, E] int32: keys j of the user with ts_i - ts_j >= edges[b] (sorted)
         sorted_ptr,  # [B] int32: 1 when the user's timestamps never decrease
-        num_tokens,  # T: the stride between two edges' rows of thr
+        NUM_EDGES: tl.constexpr,
         ROWS: tl.constexpr,
         STEPS: tl.constexpr,
         CHUNK: tl.constexpr,
@@ -190,7 +191,7 @@ if triton is not None:
                 up = live & (ts_mid <= target)
                 lo = tl.where(up, mid + 1, lo)
                 hi = tl.where(live & ~up, mid, hi)
-            tl.store(thr_ptr + b * num_tokens + start + rows, lo, mask=rmask)
+            tl.store(thr_ptr + (start + rows) * NUM_EDGES + b, lo, mask=rmask)
         if b == 0:
             drops = 0
             for c0 in range(1, n, CHUNK):
@@ -202,28 +203,28 @@ if triton is not None:
             tl.store(sorted_ptr + user, tl.where(drops == 0, 1, 0))
 
     @triton.jit
-    def add_time_bias_sorted(bias, rows, cols, n, thr_base, thr_stride, b_lo, b_hi, tb_row):
+    def add_time_bias_sorted(bias, rows, cols, n, thr_base, b_lo, b_hi, tb_row,
+                             NUM_EDGES: tl.constexpr):  # fmt: skip
         """bias [BM, BN] + time_bias[bucket] / 2 of one head for keys ``cols`` <= rows
-        (the caller masks the rest): bucket >= b iff col < thr[b - 1, row], over the
-        tile's range [b_lo, b_hi] (``thr_base``: edge 0's threshold of the user's first
-        token; ``thr_stride``: T, between two edges)."""
+        (the caller masks the rest): bucket >= b iff col < thr[row, b - 1], over the
+        tile's range [b_lo, b_hi] (``thr_base``: the user's first token's thresholds)."""
         t = tl.zeros(bias.shape, dtype=tl.float32) + tl.load(tb_row + b_lo)
         for b in range(b_lo + 1, b_hi + 1):
-            thr = tl.load(thr_base + (b - 1) * thr_stride + rows, mask=rows < n, other=0)
+            thr = tl.load(thr_base + rows * NUM_EDGES + (b - 1), mask=rows < n, other=0)
             t = tl.where(cols[None, :] < thr[:, None], tl.load(tb_row + b), t)
         return bias + t
 
     def bucket_thresholds(
         ts: torch.Tensor, offsets: torch.Tensor, edges: torch.Tensor, max_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """thr [E, T] int32 and the users' order flags [B] int32 (1: never decreasing);
+        """thr [T, E] int32 and the users' order flags [B] int32 (1: never decreasing);
         thresholds of a flagged-0 user are not meaningful and not read."""
         num_tokens, num_users, num_edges = ts.shape[0], offsets.shape[0] - 1, edges.shape[0]
-        thr = torch.empty((max(num_edges, 1), num_tokens), dtype=torch.int32, device=ts.device)
+        thr = torch.empty((num_tokens, max(num_edges, 1)), dtype=torch.int32, device=ts.device)
         flags = torch.empty(num_users, dtype=torch.int32, device=ts.device)
         torch.library.wrap_triton(_threshold_kernel)[(num_users, max(num_edges, 1))](
-            ts, offsets, edges, thr, flags, num_tokens, ROWS=THRESHOLD_ROWS,
-            STEPS=search_steps(max_len), CHUNK=ORDER_CHUNK,
+            ts, offsets, edges, thr, flags, NUM_EDGES=max(num_edges, 1),
+            ROWS=THRESHOLD_ROWS, STEPS=search_steps(max_len), CHUNK=ORDER_CHUNK,
         )  # fmt: skip
         return thr, flags
 

@@ -91,7 +91,7 @@ def test_interpreter_time_bias_is_exact(interpreter_scalars: None, bucket_loop: 
 
 @needs_interpreter
 def test_interpreter_bucket_thresholds(interpreter_scalars: None) -> None:
-    """thr[b, i] = keys j <= i of the user with ts_i - ts_j >= edges[b], for every user
+    """thr[i, b] = keys j <= i of the user with ts_i - ts_j >= edges[b], for every user
     whose timestamps never decrease; the others are flagged 0 (their rows unread)."""
     case = make_jagged([0, 1, 5, 40, 3, 17, 64], "cpu", seed=3, head_dim=16)
     edges = case.edges
@@ -106,7 +106,7 @@ def test_interpreter_bucket_thresholds(interpreter_scalars: None) -> None:
         want = ((ts[:, None, None] - ts[None, :, None]) >= edges[None, None, :]) & (
             torch.arange(len(ts))[None, :, None] <= torch.arange(len(ts))[:, None, None]
         )  # [n, n, E]: key j counts for row i and edge b
-        got = thr[:, offsets[user] : offsets[user + 1]].t()
+        got = thr[offsets[user] : offsets[user + 1]]
         assert torch.equal(got, want.sum(1).to(torch.int32)), user
 
 
