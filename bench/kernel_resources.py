@@ -164,9 +164,14 @@ def resources(kernel: Any) -> dict[str, object]:
     found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.S)
     regs, stack = (int(found.group(1)), int(found.group(2))) if found else (-1, -1)
     local_ops = sass.count("LDL") + sass.count("STL")
+    # Loads the software pipeliner turned into asynchronous copies (0: the loop waits on
+    # every load; a loop with a bare nested loop in its body is left unpipelined).
+    ttgir = kernel.asm["ttgir"]
+    async_copies = ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy")
     return {
         "regs": regs, "stack_bytes": stack, "smem_kb": round(kernel.metadata.shared / 1024, 1),
         "key_loop_sass": _loop_lengths(sass)[:1], "local_ops": local_ops,
+        "async_copies": async_copies,
     }  # fmt: skip
 
 

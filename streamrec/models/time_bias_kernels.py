@@ -209,9 +209,13 @@ if triton is not None:
         (the caller masks the rest): bucket >= b iff col < thr[row, b - 1], over the
         tile's range [b_lo, b_hi] (``thr_base``: the user's first token's thresholds)."""
         t = tl.zeros(bias.shape, dtype=tl.float32) + tl.load(tb_row + b_lo)
-        for b in range(b_lo + 1, b_hi + 1):
-            thr = tl.load(thr_base + rows * NUM_EDGES + (b - 1), mask=rows < n, other=0)
-            t = tl.where(cols[None, :] < thr[:, None], tl.load(tb_row + b), t)
+        # The loop sits inside an `if`: as a bare statement of the caller's key loop, it
+        # kept Triton's pipeliner off that whole loop (0 asynchronous copies for sm_90a
+        # against 52 this way; bench/kernel_resources.py, column async_copies).
+        if b_lo < b_hi:
+            for b in range(b_lo + 1, b_hi + 1):
+                thr = tl.load(thr_base + rows * NUM_EDGES + (b - 1), mask=rows < n, other=0)
+                t = tl.where(cols[None, :] < thr[:, None], tl.load(tb_row + b), t)
         return bias + t
 
     def bucket_thresholds(
