@@ -48,7 +48,8 @@ from streamrec.models.hstu import HSTU, HSTULayer, NewTokenGeometry
 NEW_TOKENS = (1, 4, 16)
 # ts_pool, block_tables, cached_lens, pos_bias, time_bias, edges: every launch's tail
 Tail = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-# (block_n, warps, target programs, 2-D accumulator); the first is the op's default.
+# (block_n, warps, target programs, 2-D accumulator[, prefetch[, stages]]); the first is
+# the op's default.
 EXTEND_VARIANTS: list[tuple[int, ...]] = [
     (pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.TARGET_PROGRAMS, pa.DECODE_ACC2D),
     (64, 4, 1024, True), (16, 4, 1024, True), (32, 2, 1024, True), (64, 8, 1024, True),
@@ -57,6 +58,11 @@ EXTEND_VARIANTS: list[tuple[int, ...]] = [
     # the next tile's loads before this tile's math (launch suffix x1): 16-key tiles keep
     # 123 registers (4 programs/SM), 32-key ones take 224 (2); kernel_resources --kernel decode
     (16, 4, 1024, True, True), (32, 4, 1024, True, True), (16, 4, 2048, True, True),
+    # Triton's pipeline over the one-token loop, 2 and 3 stages (paged_attention.DECODE_STAGES;
+    # launch suffix x0x2 / x0x3): 152 registers at 32-key tiles against 128
+    (pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.TARGET_PROGRAMS, True, False, 2),
+    (pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.TARGET_PROGRAMS, True, False, 3),
+    (16, 4, 1024, True, False, 3),
 ]  # fmt: skip
 # (new tokens, key tile) of the decode kernel's tensor-core chunks, timed at n > 1; the
 # first is the op's default (multi_query_attention.py).
@@ -176,6 +182,7 @@ def extend_rows(
                 calls.append(("triton", launch, _bind(
                     pa.launch_decode, *head, *body, *var[:3], True, var[3], None, block_m,
                     chunk_n, len(var) > 4 and bool(var[4]),
+                    int(var[5]) if len(var) > 5 else pa.DECODE_STAGES,
                 )))  # fmt: skip
         for impl, launch, call in calls:
             timed = _timed(call, f"extend n={n} {launch}")

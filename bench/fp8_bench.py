@@ -68,6 +68,9 @@ DECODE_LAUNCHES = [
     # the next tile's loads before this tile's math (paged_attention.DECODE_PREFETCH): the
     # e4m3 one-token body waits on its loads (3 programs/SM, 8 KB per tile)
     (16, 4, 1024, True, True), (32, 4, 1024, True, True),
+    # Triton's own pipeline over that loop, 3 stages (paged_attention.DECODE_STAGES)
+    (pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.TARGET_PROGRAMS, True, False, 3),
+    (16, 4, 1024, True, False, 3),
 ]  # fmt: skip
 # (block_m, block_n, warps, stages, target programs)
 RANK_LAUNCHES = [
@@ -219,7 +222,8 @@ def kernel_rows(setup: Setup, ceil: dict[str, float]) -> list[dict[str, Any]]:
             calls = [
                 ("x".join(str(int(x)) for x in var),
                  _bind(pa.launch_decode, *head, *pool, *tail, cfg.max_seq_len, *var[:3], True,
-                       var[3], kv_scale=kv_scale, prefetch=len(var) > 4 and bool(var[4])))
+                       var[3], kv_scale=kv_scale, prefetch=len(var) > 4 and bool(var[4]),
+                       stages=int(var[5]) if len(var) > 5 else pa.DECODE_STAGES))
                 for var in DECODE_LAUNCHES
             ]  # fmt: skip
             found[name] = _best(f"decode {name} batch {batch}", calls, setup, ref[name], sub)

@@ -72,13 +72,15 @@ def compile_prefill(launch: tuple[int, ...], dtype: str = "bf16", heads: int = 4
     return triton.compile(source, target=H200, options={"num_warps": warps, "num_stages": stages})
 
 
-# (block_n, warps, acc2d, chunk tokens, chunk key tile[, prefetch]): the op's default
+# (block_n, warps, acc2d, chunk tokens, chunk key tile[, prefetch[, stages]]): the op's default
 # first, then the shapes bench/attention_sweep.py times.
 DECODE_LAUNCHES = (
     (pa.DECODE_BLOCK_N, pa.DECODE_WARPS, pa.DECODE_ACC2D, mqa.CHUNK_M, mqa.CHUNK_N),
     (16, 4, True, 16, 16), (64, 4, True, 16, 16), (32, 2, True, 16, 16), (64, 2, False, 16, 16),
     (32, 4, True, 16, 32), (32, 4, True, 32, 16),
     (32, 4, True, 16, 16, True), (16, 4, True, 16, 16, True), (32, 4, False, 16, 16, True),
+    (32, 4, True, 16, 16, False, 2), (32, 4, True, 16, 16, False, 3),
+    (16, 4, True, 16, 16, False, 3),
 )  # fmt: skip
 DECODE_INDEX = ("q_pos_ptr", "q_ts_ptr", "q_user_ptr", "q_start_ptr", "ts_pool_ptr", "lens_ptr",
                 "edges_ptr")  # fmt: skip
@@ -91,6 +93,7 @@ def compile_decode(launch: tuple[Any, ...], dtype: str = "bf16", kv_fp8: bool = 
     integer arguments divisible by 16 as at batch 64; ``kv_fp8``: an e4m3 pool."""
     block_n, warps, acc2d, block_m, chunk_n, *rest = launch
     prefetch = bool(rest and rest[0])
+    stages = int(rest[1]) if len(rest) > 1 else pa.DECODE_STAGES
     fn = pa._decode_kernel
     kv = "*fp8e4nv" if kv_fp8 else f"*{dtype}"
     types = {name: f"*{dtype}" for name in ("q_ptr", "kn_ptr", "vn_ptr", "pos_bias_ptr",
@@ -108,6 +111,7 @@ def compile_decode(launch: tuple[Any, ...], dtype: str = "bf16", kv_fp8: bool = 
         H=heads, D=head_dim, NUM_POS=4096, NUM_TIME=32, NT_P2=32, BLOCK_M=block_m,
         BLOCK_N=block_n, CHUNK_N=chunk_n, SCAN=mqa.TOKEN_SCAN, ACC2D=acc2d,
         IEEE=dtype == "fp32", FAST=dtype != "fp32", KV_FP8=kv_fp8, PREFETCH=prefetch,
+        STAGES=stages,
     )  # fmt: skip
     aligned = [name for name, kind in signature.items() if kind[0] in "*i"]
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}

@@ -91,9 +91,14 @@ DECODE_BLOCK_N = 32
 DECODE_WARPS = 4
 DECODE_ACC2D = True
 # The one-token body issues the next key tile's loads before this tile's math (a software
-# pipeline of depth 2: Triton pipelines only loads that feed tl.dot). Off until the H200
-# sweep (rows with launch suffix "p") says it pays for its registers.
+# pipeline of depth 2 by hand). Measured: no gain (H100, 103.7 -> 103.3 us at batch 64).
 DECODE_PREFETCH = False
+# Depth of Triton's own pipeline over the one-token key loop (``tl.range(num_stages=)``):
+# 1 is a plain loop (no asynchronous copies: that loop holds no tl.dot, so Triton leaves it
+# alone unless asked); 2-3 put K, V and the timestamps of the next tiles in flight through
+# shared memory (sm_90a, 32-key tiles: 4 async copies, 152 registers against 128; bench/
+# kernel_resources.py). Untimed: the sweeps' launches ending "x0x2" / "x0x3" time it.
+DECODE_STAGES = 1
 
 
 def triton_available() -> bool:
@@ -294,6 +299,7 @@ if triton is not None:
         FAST: tl.constexpr,
         KV_FP8: tl.constexpr,
         PREFETCH: tl.constexpr,
+        STAGES: tl.constexpr,
     ):
         """One chunk of a user's new tokens x one head x one key range: cached keys, then
         (range 0) the user's new keys up to each token. A chunk of one token runs the
@@ -340,7 +346,7 @@ if triton is not None:
                     k, v, k_ts = tile_kv_ts(k_start, k_end, table_row, block_size, h, k_ptr,
                                             v_ptr, ts_pool_ptr, stride_kv_block,
                                             stride_kv_slot, D, BLOCK_N)  # fmt: skip
-                for start in range(k_start, k_end, BLOCK_N):
+                for start in tl.range(k_start, k_end, BLOCK_N, num_stages=STAGES):
                     if PREFETCH:  # (a tile past k_end is masked: nothing is read)
                         k_a, v_a, ts_a = tile_kv_ts(start + BLOCK_N, k_end, table_row,
                                                     block_size, h, k_ptr, v_ptr, ts_pool_ptr,
@@ -415,6 +421,7 @@ if triton is not None:
         block_m: int = CHUNK_M,
         chunk_n: int = CHUNK_N,
         prefetch: bool = DECODE_PREFETCH,
+        stages: int = DECODE_STAGES,
     ) -> torch.Tensor:
         """The decode kernel with an explicit launch shape (the op uses the defaults;
         bench/h200_bench.py sweeps them); an FP8 pool with ``kv_scale [2, H]``. A chunk of
@@ -445,7 +452,8 @@ if triton is not None:
             NUM_TIME=time_bias.shape[0], NT_P2=next_pow2(max(2, time_bias.shape[0] - 1)),
             BLOCK_M=block_m, BLOCK_N=block_n, CHUNK_N=chunk_n, SCAN=TOKEN_SCAN, ACC2D=acc2d,
             IEEE=q.dtype == torch.float32, FAST=fast_silu_allowed(fast, q),
-            KV_FP8=kv_scale is not None, PREFETCH=prefetch, num_warps=num_warps,
+            KV_FP8=kv_scale is not None, PREFETCH=prefetch, STAGES=stages,
+            num_warps=num_warps,
         )  # fmt: skip
         return out
 

@@ -164,7 +164,7 @@ def test_fp8_decode_splits_are_deterministic(mixed: bool, monkeypatch: pytest.Mo
     """FP8 codes on both bodies of the decode kernel (one-token chunks on the vector body,
     longer ones on tensor cores, ``mixed``: users with 0/1/2/5/17/40 new tokens), each
     user against the reference over the dequantized values, one key range or many, with
-    and without the vector body's prefetch."""
+    and without the vector body's prefetch and Triton's pipeline over it."""
     device = kernel_device(monkeypatch)
     if mixed:
         c = mixed_case(device, seed=13)
@@ -172,13 +172,14 @@ def test_fp8_decode_splits_are_deterministic(mixed: bool, monkeypatch: pytest.Mo
         c = make_case([0, 17, 40, 33], [2, 0, 19, 1], rank=False, device=device, seed=11)
     codes, scale = fp8_codes(c.kv)
     want = reference(c, codes, scale)
-    for block_n, warps, target, acc2d, prefetch in [
-        (16, 2, 1, False, False), (32, 4, 4096, True, False), (16, 4, 4096, True, True),
+    for block_n, warps, target, acc2d, prefetch, stages in [
+        (16, 2, 1, False, False, 1), (32, 4, 4096, True, False, 1),
+        (16, 4, 4096, True, True, 1), (32, 4, 1, True, False, 3),
     ]:  # fmt: skip
         run = (block_n, warps, target, True, acc2d)
-        launch = {"kv_scale": scale, "prefetch": prefetch}
+        launch = {"kv_scale": scale, "prefetch": prefetch, "stages": stages}
         got = pa.launch_decode(*decode_args(c, codes), *run, **launch)  # type: ignore[arg-type]
-        assert max(per_user_errors(c, got, want)) < FP32_TOL, (run, prefetch)
+        assert max(per_user_errors(c, got, want)) < FP32_TOL, (run, prefetch, stages)
         again = pa.launch_decode(*decode_args(c, codes), *run, **launch)  # type: ignore[arg-type]
         assert torch.equal(got, again)
 

@@ -475,17 +475,20 @@ def test_decode_launch_variants_and_determinism(monkeypatch: pytest.MonkeyPatch)
     c = make_case([0, 17, 40, 33], [2, 0, 19, 1], rank=False, device=device, seed=11)
     want = c.reference()
     args = decode_args(c)
-    for block_n, warps, target, acc2d, chunk, prefetch in [
-        (16, 2, 1, False, (16, 16), False), (32, 4, 1, True, (16, 32), False),
-        (64, 2, 4096, False, (32, 16), False), (16, 4, 4096, True, (16, 64), False),
-        (32, 4, 64, True, (64, 16), False),
+    for block_n, warps, target, acc2d, chunk, prefetch, stages in [
+        (16, 2, 1, False, (16, 16), False, 1), (32, 4, 1, True, (16, 32), False, 1),
+        (64, 2, 4096, False, (32, 16), False, 1), (16, 4, 4096, True, (16, 64), False, 1),
+        (32, 4, 64, True, (64, 16), False, 1),
         # the next tile's loads before this tile's math: one key range and many
-        (16, 4, 1, True, (16, 16), True), (32, 4, 4096, False, (16, 16), True),
+        (16, 4, 1, True, (16, 16), True, 1), (32, 4, 4096, False, (16, 16), True, 1),
+        # Triton's pipeline over the one-token loop
+        (32, 4, 1, True, (16, 16), False, 3), (16, 4, 4096, True, (16, 16), False, 2),
     ]:  # fmt: skip
         run = (block_n, warps, target, True, acc2d)
-        launch = {"block_m": chunk[0], "chunk_n": chunk[1], "prefetch": prefetch}
+        launch = {"block_m": chunk[0], "chunk_n": chunk[1], "prefetch": prefetch,
+                  "stages": stages}  # fmt: skip
         got = pa.launch_decode(*args, *run, **launch)  # type: ignore[arg-type]
-        assert rel_err(got, want) < FP32_TOL, (run, chunk, prefetch)
+        assert rel_err(got, want) < FP32_TOL, (run, chunk, prefetch, stages)
         if target > 1:
             again = pa.launch_decode(*args, *run, **launch)  # type: ignore[arg-type]
             assert torch.equal(got, again)
