@@ -22,6 +22,13 @@ interpreter passes it.
 
 ``--kernel scan``: the retrieval scan (``score_scan.py``), a memory stream whose bytes in
 flight are its programs per SM times the blocks each has loaded ahead.
+
+``--kernel rank``: the candidate kernel of ``rank`` (``candidate_attention.py``) over a
+bf16 and an FP8 pool at the sweep's launch shapes.
+
+Every row has ``async_copies``: the loads Triton's software pipeliner turned into
+asynchronous copies. 0 means every loop waits on each load in place (a loop without a
+``tl.dot``, or one whose body holds a bare nested loop, is left alone).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from streamrec.models import candidate_attention as ca
 from streamrec.models import multi_query_attention as mqa
 from streamrec.models import paged_attention as pa
 from streamrec.models import prefill_kernels as pfk
@@ -182,13 +190,17 @@ def resources(kernel: Any) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    parser.add_argument("--kernel", default="prefill", choices=["prefill", "decode", "scan"])
+    parser.add_argument(
+        "--kernel", default="prefill", choices=["prefill", "decode", "scan", "rank"]
+    )
     parser.add_argument("--inductor", action="store_true", help="decode: int64 symbolic ints")
     args = parser.parse_args(argv)
     if args.kernel == "decode":
         return decode_main(args.dtype, args.inductor)
     if args.kernel == "scan":
         return scan_main(args.dtype)
+    if args.kernel == "rank":
+        return rank_main()
     # mode 0: every user's time bias from timestamps; 1: from key positions ("-thr")
     for launch, mode in [(launch, 0) for launch in pfk.PREFILL_LAUNCHES] + [
         (launch, 1) for launch in pfk.PREFILL_LAUNCHES
@@ -221,6 +233,44 @@ def decode_main(dtype: str, inductor: bool) -> int:
             row["programs_per_sm"] = programs_per_sm(row, int(launch[1]))
             print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return 1 if failed else 0
+
+
+# (block_m, block_n, warps, stages): the op's default first, then bench/attention_sweep.py's
+RANK_LAUNCHES = (
+    (ca.CAND_BLOCK_M, ca.CAND_BLOCK_N, ca.CAND_WARPS, ca.CAND_STAGES),
+    (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3),
+)  # fmt: skip
+
+
+def compile_rank(launch: tuple[int, ...], kv_fp8: bool = False, heads: int = 4,
+                 head_dim: int = 128) -> Any:  # fmt: skip
+    """The candidate kernel at the HSTU-8L reference shape, bf16 projections, the q/k/v
+    columns of the packed projection activated on load as ``rank`` calls it."""
+    block_m, block_n, warps, stages = launch
+    fn = ca._candidate_kernel
+    kv = "*fp8e4nv" if kv_fp8 else "*bf16"
+    types = {name: "*bf16" for name in ("q_ptr", "ks_ptr", "vs_ptr", "pos_bias_ptr",
+                                         "time_bias_ptr", "out_ptr")}  # fmt: skip
+    types.update(kbias_ptr="*fp32", k_ptr=kv, v_ptr=kv, tables_ptr="*i32", lens_ptr="*i64",
+                 kv_scale_ptr="*fp32" if kv_fp8 else "*i64", ws_ptr="*fp32",
+                 ticket_ptr="*i32", scale="fp32", inv_divisor="fp32")  # fmt: skip
+    signature = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32")
+                 for p in fn.params}  # fmt: skip
+    constants = dict(H=heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=False,
+                     FAST=True, KV_FP8=kv_fp8, ACT=True)  # fmt: skip
+    aligned = [name for name, kind in signature.items() if kind[0] in "*i"]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=H200, options={"num_warps": warps, "num_stages": stages})
+
+
+def rank_main() -> int:
+    for kv_fp8 in (False, True):
+        for launch in RANK_LAUNCHES:
+            row = resources(compile_rank(launch, kv_fp8))
+            label = f"rank {'x'.join(map(str, launch))} {'fp8' if kv_fp8 else 'bf16'}"
+            print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+    return 0
 
 
 def compile_scan(keep: int, dtype: str = "bf16") -> Any:
