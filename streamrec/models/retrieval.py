@@ -67,6 +67,11 @@ SAMPLE_GROUP = 16  # items per sampled maximum
 MAX_K = 1024  # larger k: torch reference
 MIN_FUSED_ITEMS = 1 << 15  # smaller catalogs: mm + topk costs nothing worth fusing
 MAX_CHUNKS = 1024
+# Item tiles the flat select loop scores between two checks of its regions (its regions
+# hold FLAT_TILES tiles past KEEP): the check syncs the CTA, and a loop holding that
+# barrier is left unpipelined by Triton (0 asynchronous copies for sm_90a); between two
+# checks the loop holds none (6).
+FLAT_TILES = 4
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,8 @@ class LaunchConfig:
     num_stages: int = 3
     programs_per_sm: int = 2
     # One loop over (tile, K step) instead of a K loop per tile, so that the pipeliner
-    # prefetches the next tile's first K steps while this tile's candidates are stored.
+    # prefetches the next tile's first K steps while this tile's candidates are stored;
+    # its regions are checked (and compacted) every FLAT_TILES tiles.
     flat: bool = False
 
     def __post_init__(self) -> None:
@@ -257,18 +263,18 @@ if triton is not None:
     @triton.jit
     def _compact(
         thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex, num_ex,
-        ex_steps, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr,
+        ex_steps, BLOCK_B: tl.constexpr, ROOM: tl.constexpr, CAP: tl.constexpr,
         KEEP: tl.constexpr,
     ):  # fmt: skip
-        """Rows whose region might not hold another tile keep their top KEEP entries
-        (excluded items as -inf) and raise their threshold to the KEEP-th score."""
+        """Rows whose region might not hold ROOM more entries keep their top KEEP
+        entries (excluded items as -inf) and raise their threshold to the KEEP-th score."""
         lane = tl.arange(0, BLOCK_B)
         for r in range(BLOCK_B):
             sel = lane == r
             row = tl.sum(tl.where(sel, rows, 0), axis=0)
             slot = tl.sum(tl.where(sel, slots, 0), axis=0)
             n = tl.load(cnt_ptr + slot, mask=row < num_users, other=0)
-            if n > CAP - BLOCK_V:
+            if n > CAP - ROOM:
                 base = slot * CAP
                 top = top_of_region(
                     sc_ptr, ix_ptr, base, n, ex_ptr + row * stride_ex, num_ex, ex_steps,
@@ -284,31 +290,53 @@ if triton is not None:
         return thr
 
     @triton.jit
-    def _append(
-        acc, cols, thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr,
-        stride_ex, num_ex, ex_steps, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-        CAP: tl.constexpr, KEEP: tl.constexpr,
+    def _store_passing(
+        acc, cols, thr, cnt, slots, cnt_ptr, sc_ptr, ix_ptr, BLOCK_B: tl.constexpr,
+        BLOCK_V: tl.constexpr, CAP: tl.constexpr,
     ):  # fmt: skip
-        """Append a tile's scores above threshold to the rows' regions; compact the rows
-        that might not hold another tile. Returns the new (thr, cnt)."""
+        """Append a tile's scores above threshold to the rows' regions (the caller has
+        made room for the tile, so slot < CAP). Returns the new counts."""
         take = acc > thr[:, None]  # [BB, BV]
-        # Every region has room for one more tile (compaction below), so slot < CAP.
         cnt_ptrs = tl.broadcast_to(cnt_ptr + slots[:, None], [BLOCK_B, BLOCK_V])
         ones = tl.full([BLOCK_B, BLOCK_V], 1, tl.int32)
         slot = tl.atomic_add(cnt_ptrs, ones, mask=take, sem="relaxed", scope="cta")
         dest = slots[:, None] * CAP + slot
         tl.store(sc_ptr + dest, acc, mask=take)
         tl.store(ix_ptr + dest, tl.broadcast_to(cols[None, :], [BLOCK_B, BLOCK_V]), mask=take)
-        cnt += tl.sum(take.to(tl.int32), axis=1)
-        if tl.max(cnt, axis=0) > CAP - BLOCK_V:
+        return cnt + tl.sum(take.to(tl.int32), axis=1)
+
+    @triton.jit
+    def _make_room(
+        thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex, num_ex,
+        ex_steps, BLOCK_B: tl.constexpr, ROOM: tl.constexpr, CAP: tl.constexpr,
+        KEEP: tl.constexpr,
+    ):  # fmt: skip
+        """Compact the rows whose region might not hold ROOM more entries (the CTA's
+        appends made visible first). Returns the new (thr, cnt)."""
+        if tl.max(cnt, axis=0) > CAP - ROOM:
             tl.debug_barrier()
             thr = _compact(
                 thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex,
-                num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
+                num_ex, ex_steps, BLOCK_B, ROOM, CAP, KEEP,
             )  # fmt: skip
             tl.debug_barrier()
             cnt = tl.load(cnt_ptr + slots, mask=rows < num_users, other=0)
         return thr, cnt
+
+    @triton.jit
+    def _append(
+        acc, cols, thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr,
+        stride_ex, num_ex, ex_steps, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+        CAP: tl.constexpr, KEEP: tl.constexpr,
+    ):  # fmt: skip
+        """Append a tile's scores above threshold; compact the rows that might not hold
+        another tile. Returns the new (thr, cnt)."""
+        cnt = _store_passing(acc, cols, thr, cnt, slots, cnt_ptr, sc_ptr, ix_ptr, BLOCK_B,
+                             BLOCK_V, CAP)  # fmt: skip
+        return _make_room(
+            thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex,
+            num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
+        )  # fmt: skip
 
     @triton.jit
     def _select_kernel(
@@ -329,20 +357,26 @@ if triton is not None:
         stop = tl.minimum(start + chunk_tiles * BLOCK_V, num_items)
         if FLAT:
             steps: tl.constexpr = D // BLOCK_K
+            seg: tl.constexpr = (CAP - KEEP) // BLOCK_V  # tiles between two region checks
             u_rows = u_ptr + rows.to(tl.int64)[:, None] * stride_u  # [BB, 1]
             acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
-            for it in range(0, tl.cdiv(stop - start, BLOCK_V) * steps):
-                cols = start + (it // steps) * BLOCK_V + tl.arange(0, BLOCK_V)
-                t_rows = t_ptr + cols.to(tl.int64)[:, None] * stride_t  # [BV, 1]
-                kk = (it % steps) * BLOCK_K
-                acc = _dot_step(acc, u_rows, t_rows, kk, row_ok, cols < num_items, BLOCK_K, IEEE)
-                if it % steps == steps - 1:
-                    acc = tl.where((cols < num_items)[None, :], acc, float("-inf"))
-                    thr, cnt = _append(
-                        acc, cols, thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr,
-                        ex_ptr, stride_ex, num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
-                    )  # fmt: skip
-                    acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
+            n_tiles = tl.cdiv(stop - start, BLOCK_V)
+            for tile0 in range(0, n_tiles, seg):
+                thr, cnt = _make_room(
+                    thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr,
+                    stride_ex, num_ex, ex_steps, BLOCK_B, seg * BLOCK_V, CAP, KEEP,
+                )  # fmt: skip
+                for it in range(tile0 * steps, tl.minimum(tile0 + seg, n_tiles) * steps):
+                    cols = start + (it // steps) * BLOCK_V + tl.arange(0, BLOCK_V)
+                    t_rows = t_ptr + cols.to(tl.int64)[:, None] * stride_t  # [BV, 1]
+                    kk = (it % steps) * BLOCK_K
+                    acc = _dot_step(acc, u_rows, t_rows, kk, row_ok, cols < num_items,
+                                    BLOCK_K, IEEE)  # fmt: skip
+                    if it % steps == steps - 1:
+                        acc = tl.where((cols < num_items)[None, :], acc, float("-inf"))
+                        cnt = _store_passing(acc, cols, thr, cnt, slots, cnt_ptr, sc_ptr,
+                                             ix_ptr, BLOCK_B, BLOCK_V, CAP)  # fmt: skip
+                        acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
         else:
             for v0 in range(start, stop, BLOCK_V):
                 cols = v0 + tl.arange(0, BLOCK_V)
@@ -377,7 +411,7 @@ if triton is not None:
             raise ModelError(f"dim {dim} is not a multiple of block_k={cfg.block_k}")
         bb, bv = cfg.block_b, cfg.block_v
         keep = max(2, next_pow2(k))  # tl.topk and the merge need at least 2 lanes
-        cap = next_pow2(keep + bv)
+        cap = next_pow2(keep + (FLAT_TILES if cfg.flat else 1) * bv)
         launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         tile = {"D": dim, "BLOCK_B": bb, "BLOCK_V": bv, "BLOCK_K": cfg.block_k,
                 "IEEE": user_emb.dtype == torch.float32 or not user_emb.is_cuda}  # fmt: skip

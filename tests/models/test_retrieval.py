@@ -192,6 +192,9 @@ def kernels() -> Iterator[Any]:
         ("clustered", torch.float32, False),
         ("clustered", torch.bfloat16, True),
         ("zero_user", torch.bfloat16, False),
+        # every item ties at 0 for the zero user: regions fill and compact between the
+        # flat loop's segments
+        ("zero_user", torch.bfloat16, True),
         ("exclude_best", torch.float32, True),
     ],
 )
