@@ -236,15 +236,20 @@ for r in rows:
     print(r['op'], r['batch'], r['history'], r['impl'], r['launch'], r['ms'], r['tflop_s'], r['rel_err_vs_fp32'])
 json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[1], 'w'), indent=1)
 " "$OUT/prefill_bucket.json" 2>&1 | grep -v "^W[0-9]" | tail -24 ;;
-    pipelines)  # fourteenth session's untimed changes (~4 min): the prefill's -thr rows with
+    pipelines)  # fourteenth session's untimed changes (~5-6 min): the prefill's -thr rows with
       # their key loop pipelined again, the decode sweep with Triton's pipeline over the
-      # one-token loop (launches ending x0x2 / x0x3) at batch 8 and 64, the FP8 kernel rows
+      # one-token loop (launches ending x0x2 / x0x3) at batch 8 and 64, the FP8 kernel rows,
+      # the retrieval gpu tests and its tile sweep (flat rows)
       bash "$0" prefill-bucket
       python3 -m bench.h200_bench --sections attention --kernel-ops extend --batches 8 64 \
         --workloads HSTU-8L --iters 30 --out "$OUT/decode" 2>&1 \
         | grep -E "^kernel +extend +[0-9]+ +1 |Error" | tail -40
       timeout 240 python3 -m bench.fp8_bench --sections kernel --out "$OUT/h200_fp8_kernel.json" \
-        2>&1 | tail -14 ;;
+        2>&1 | tail -14
+      # the flat select loop, now pipelined: the tile sweep at batch 256 has two flat rows
+      python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider \
+        -k "not aoti and not hstu" 2>&1 | grep -E "passed|failed|Error" | tail -3
+      python3 -m bench.retrieval_bench --batches 64 256 --out "$OUT" 2>&1 | tail -14 ;;
     retrieval)  # retrieval top-k: its gpu tests, then mm + topk, mm alone, fused, scan (issue 14.4)
       python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider 2>&1 \
         | tee "$OUT/retrieval_tests.log" | grep -E "B=|aoti|passed|failed|Error" | tail -20

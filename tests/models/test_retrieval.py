@@ -19,6 +19,7 @@ k-th score (ties at the boundary, where ``torch.topk`` picks arbitrarily).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -293,8 +294,8 @@ def assert_top_k(
 def test_fused_equals_mm_topk_over_1m_items(
     catalog: dict[torch.dtype, torch.Tensor], batch: int, dtype: torch.dtype
 ) -> None:
-    """The op (the score scan) and the fused kernels both."""
-    from streamrec.models.retrieval import fused_retrieve, launch_retrieval
+    """The op (the fused kernels), their flat select loop, and the score scan."""
+    from streamrec.models.retrieval import default_config, fused_retrieve, launch_retrieval
     from streamrec.models.score_scan import launch_score_scan
 
     table = catalog[dtype]
@@ -302,15 +303,18 @@ def test_fused_equals_mm_topk_over_1m_items(
     assert fused_retrieval_enabled("auto", users, table, K, FIRST)
     got = fused_retrieve(users, table, exclude, K, FIRST)
     differ = assert_top_k(users, table, exclude, got, K)
-    fused_s, fused_i, counts = launch_retrieval(users, table, exclude, K, FIRST)
-    fused_differ = assert_top_k(users, table, exclude, (fused_s.to(dtype), fused_i), K)
-    scan_counts = launch_score_scan(users, table, exclude, K, FIRST)[2].sum(1).float()
-    counts = counts.sum(1).float()
+    flat = dataclasses.replace(default_config(batch, dtype, DIM), flat=True)
+    flat_s, flat_i, _ = launch_retrieval(users, table, exclude, K, FIRST, flat)
+    flat_differ = assert_top_k(users, table, exclude, (flat_s.to(dtype), flat_i), K)
+    scan_s, scan_i, scan_counts = launch_score_scan(users, table, exclude, K, FIRST)
+    scan_differ = assert_top_k(users, table, exclude, (scan_s.to(dtype), scan_i), K)
+    counts = launch_retrieval(users, table, exclude, K, FIRST)[2].sum(1).float()
+    scan_counts = scan_counts.sum(1).float()
     print(
-        f"B={batch} {dtype}: rows differing from topk (boundary ties): scan {differ}, fused "
-        f"{fused_differ} of {batch * K}; candidates per user mean (max): scan "
-        f"{scan_counts.mean():.0f} ({scan_counts.max():.0f}), fused {counts.mean():.0f} "
-        f"({counts.max():.0f})"
+        f"B={batch} {dtype}: rows differing from topk (boundary ties): op {differ}, flat "
+        f"{flat_differ}, scan {scan_differ} of {batch * K}; candidates per user mean (max): "
+        f"scan {scan_counts.mean():.0f} ({scan_counts.max():.0f}), fused "
+        f"{counts.mean():.0f} ({counts.max():.0f})"
     )
 
 
