@@ -26,6 +26,9 @@ flight are its programs per SM times the blocks each has loaded ahead.
 ``--kernel rank``: the candidate kernel of ``rank`` (``candidate_attention.py``) over a
 bf16 and an FP8 pool at the sweep's launch shapes.
 
+``--kernel select``: the retrieval select kernel (``retrieval.py``) at 1M x 512 bf16, k =
+256, its default loop and its flat loop.
+
 Every row has ``async_copies``: the loads Triton's software pipeliner turned into
 asynchronous copies. 0 means every loop waits on each load in place (a loop without a
 ``tl.dot``, or one whose body holds a bare nested loop, is left alone).
@@ -34,12 +37,14 @@ asynchronous copies. 0 means every loop waits on each load in place (a loop with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
 import tempfile
 from typing import Any
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -48,6 +53,7 @@ from streamrec.models import candidate_attention as ca
 from streamrec.models import multi_query_attention as mqa
 from streamrec.models import paged_attention as pa
 from streamrec.models import prefill_kernels as pfk
+from streamrec.models import retrieval as rt
 from streamrec.models import score_scan as ss
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -191,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument(
-        "--kernel", default="prefill", choices=["prefill", "decode", "scan", "rank"]
+        "--kernel", default="prefill", choices=["prefill", "decode", "scan", "rank", "select"]
     )
     parser.add_argument("--inductor", action="store_true", help="decode: int64 symbolic ints")
     args = parser.parse_args(argv)
@@ -201,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         return scan_main(args.dtype)
     if args.kernel == "rank":
         return rank_main()
+    if args.kernel == "select":
+        return select_main()
     # mode 0: every user's time bias from timestamps; 1: from key positions ("-thr")
     for launch, mode in [(launch, 0) for launch in pfk.PREFILL_LAUNCHES] + [
         (launch, 1) for launch in pfk.PREFILL_LAUNCHES
@@ -269,6 +277,38 @@ def rank_main() -> int:
         for launch in RANK_LAUNCHES:
             row = resources(compile_rank(launch, kv_fp8))
             label = f"rank {'x'.join(map(str, launch))} {'fp8' if kv_fp8 else 'bf16'}"
+            print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+    return 0
+
+
+def compile_select(config: Any, keep: int = 256, dim: int = 512) -> Any:
+    """The retrieval select kernel with ``config`` (a ``retrieval.LaunchConfig``) as
+    ``launch_retrieval`` runs it for k <= ``keep`` (bf16, strides divisible by 16)."""
+    fn = rt._select_kernel
+    pointers = dict(u_ptr="*bf16", t_ptr="*bf16", thr_ptr="*fp32", ex_ptr="*i32",
+                    cnt_ptr="*i32", sc_ptr="*fp32", ix_ptr="*i32")  # fmt: skip
+    signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "i32")
+                 for p in fn.params}  # fmt: skip
+    tiles = rt.FLAT_TILES if config.flat else 1
+    constants = dict(D=dim, BLOCK_B=config.block_b, BLOCK_V=config.block_v,
+                     BLOCK_K=config.block_k, IEEE=False,
+                     CAP=triton.next_power_of_2(keep + tiles * config.block_v), KEEP=keep,
+                     FLAT=config.flat)  # fmt: skip
+    aligned = [*pointers, "stride_u", "stride_t"]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return triton.compile(source, target=H200, options=options)
+
+
+def select_main() -> int:
+    for config in (rt.default_config(256, torch.bfloat16, 512),
+                   rt.default_config(64, torch.bfloat16, 512)):  # fmt: skip
+        for flat in (False, True):
+            cfg = dataclasses.replace(config, flat=flat)
+            row = resources(compile_select(cfg))
+            label = (f"select B{cfg.block_b} V{cfg.block_v} K{cfg.block_k} w{cfg.num_warps} "
+                     f"s{cfg.num_stages}{' flat' if flat else ''}")  # fmt: skip
             print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return 0
 
