@@ -123,7 +123,7 @@ for stage in "$@"; do
             > "$OUT/e2p/packages_$tree.log" 2>&1)
         fi
         (cd "$dir" && timeout 170 python3 -m bench.worker_bench $w8 ${E2P_FLAGS:-} \
-          --results-dir "$OUT/e2p/$tree" 2>&1 | grep -E "^(throughput|latency|loop) |Error" | tail -6)
+          --results-dir "$OUT/e2p/$tree" 2>&1 | grep -E "^(throughput|latency|loop) |^host:|Error" | tail -6)
       done ;;
     backlog)  # issue 13's "engine busy >= 85 %": a backlog long enough to read it on (the
       # e2p stage's 60,000 events last < 1 s at ~68,000/s, mostly ramp), plus one paced
@@ -135,7 +135,7 @@ for stage in "$@"; do
       timeout 200 python3 -m bench.worker_bench --config hstu-8l --device cuda --aoti \
         --users 2000 --events 200000 --rates 5000 --seconds 5 --drain-s 8 \
         --max-batch-users 256 --partitions 12 --warm-wave 256 --processes 3 \
-        --results-dir "$OUT/backlog" 2>&1 | grep -E "^(throughput|latency) |Error" | tail -4 ;;
+        --results-dir "$OUT/backlog" 2>&1 | grep -E "^(throughput|latency) |^host:|Error" | tail -5 ;;
     worker|worker-eager|worker-aoti)  # (e): the whole worker with the dev broker here
       flags=""; [ "$stage" = worker-eager ] && flags="--no-cuda-graphs"
       [ "$stage" = worker-aoti ] && flags="--aoti"  # AOTI packages in CUDA graphs (issue 15)

@@ -60,7 +60,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from bench._report import RESULTS_DIR, print_table, write_results
+from bench._report import RESULTS_DIR, machine_info, print_table, write_results
 from bench.bench_plan import BLOCK_SIZE, Plan, geometry, kv_budget, make_plan, process_kv_budget
 from bench.engine_bench import SMALL, WORKLOADS, _preload
 from bench.event_producer import Job, producer_process
@@ -611,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["mps"] = daemon is not None or bool(os.environ.get(PIPE_ENV))
     meta["event_loop"] = ns.event_loop
     print_table([{k: r[k] for k in _TABLE if k in r} for r in rows])
+    host = machine_info()  # the same rows ran 2-4x apart on two host kinds (BENCHMARKS.md)
+    print(f"host: {host['platform']}, {host['cpu_model']}, {host['cpu_count']} cores")
     if ns.host_ceiling:
         path = write_host_ceiling(rows, meta, ns)
     else:
