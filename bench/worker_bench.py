@@ -10,10 +10,12 @@ event off the worker's loop and GIL, all as complete playbacks on the playback t
 by user: a recommendation of version v covers the user's first ``v - preloaded`` events.
 
 Phases, each waiting until all its events are completed: **warm**, one event per user (all
-misses: prefill), in waves of ``--warm-wave`` users. Prefill is a dense ``[B, max_seq_len]``
-recompute whose [H, N, N] scores/bias/SiLU temporaries and int64 time gaps take ~0.8 GB per
-rebuilt HSTU-8L user (N = 4,096, bf16): one batch of 256 rebuilds would need ~200 GB, so the
-waves (32 on CUDA, ~26 GB) bound it without lowering ``max_batch_users``. **prime**
+misses: prefill), in waves of ``--warm-wave`` users, each sent when the last one has
+completed: every wave adds a round trip through the broker and drains the engines, so
+the warm-up's rate is the worker's with one wave (``--warm-wave 0``). A dense prefill (no
+Triton) holds [H, N, N] temporaries, ~0.8 GB per rebuilt HSTU-8L user: there the waves
+(32 on CUDA) bound its memory; the fused jagged prefill cuts its calls at
+``model_step.PREFILL_CALL_TOKENS`` and needs none. **prime**
 (untimed): waves of 1, 16, 17 and ``max_batch_users`` users, so the Triton kernels compile
 before timing (the first warm wave pays the candidate kernel's). **throughput**: a backlog
 of ``--events`` (uniform, Zipf with ``--skew``); ``sustained_events_per_s`` counts from the
@@ -82,6 +84,7 @@ from bench.worker_side import (
 from streamrec.cache.kv_cache import free_memory_bytes
 from streamrec.errors import BrokerError, ConfigError
 from streamrec.models.paged_attention import triton_available
+from streamrec.pipeline import model_step
 from streamrec.tools.mps_daemon import MPS_MODES, PIPE_ENV, MpsDaemon
 from streamrec.worker import config as wc
 
@@ -347,12 +350,16 @@ async def local_side(
     loaded = loaded_model(w, ns.device, ns.host_ceiling, ns.aoti)
     build_s = time.perf_counter() - t0
     # A dense prefill holds [H, N, N] temporaries per rebuilt user; the fused one (issue
-    # 14, not in the "before" tree) only its [T, ...] activations.
+    # 14, not in the "before" tree) only its [T, ...] activations, and the engine cuts its
+    # calls at PREFILL_CALL_TOKENS tokens (where the tree has the cut).
     fused = importlib.util.find_spec("streamrec.models.prefill_attention") is not None
-    per_user = (
-        w.max_seq_len * w.d_model * 64 if fused else w.max_seq_len**2 * (w.num_heads * 8 + 16)
-    )
-    reserve = (ns.warm_wave or ns.users) * per_user
+    wave = ns.warm_wave or ns.users
+    if fused:
+        tokens = wave * w.max_seq_len
+        cut = getattr(model_step, "PREFILL_CALL_TOKENS", None)
+        reserve = (tokens if cut is None else min(tokens, cut + w.max_seq_len)) * w.d_model * 64
+    else:
+        reserve = wave * w.max_seq_len**2 * (w.num_heads * 8 + 16)
     if (
         ns.device == "cuda"
         and not ns.host_ceiling
