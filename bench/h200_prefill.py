@@ -7,6 +7,9 @@
   TFLOP/s counts the causal work only: 4·H·d·Σ n(n+1)/2 (two matmuls, 2 FLOPs a MAC).
 - ``prefill-candidates``: C = 256 candidates per user over a history of 2,048 (the
   candidate rule of the fused full recompute), a few launch shapes.
+- ``prefill-skewed`` (``skewed_rows``): the warm-up's mix, B users of the reference's
+  log-normal lengths (median 1,000, capped at 4,096; ``history`` = the batch's median),
+  the default launch with the time bias from timestamps and from key positions (-thr).
 
 q, k, v are strided views of one ``[T, 4, H, d]`` buffer, as the layer's projection leaves
 them. Each row checks the first user against the fp32 torch reference. Runs inside
@@ -15,9 +18,11 @@ them. Each row checks the first user against the fp32 torch reference. Runs insi
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from bench.h200_common import BASE_TS, graphed, pct, time_ms
@@ -149,6 +154,36 @@ def _prefill_rows(layer: Layer, batch: int, history: int, iters: int) -> list[di
         except Exception as exc:  # out of memory at the largest shapes
             print(f"prefill torch-dense batch {batch} history {history}: {type(exc).__name__}")
             torch.cuda.empty_cache()
+    return rows
+
+
+def skewed_rows(layer: Layer, batch: int, iters: int) -> list[dict[str, object]]:
+    """The default launch on the warm-up's length mix, time bias from timestamps and -thr
+    (the kernel rows above give every user one length, so a length-dependent gain shows
+    only here). Timestamps increase within each user."""
+    lengths = HSTU_8L.history_lengths(batch, seed=batch)  # [B]
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    gen = torch.Generator().manual_seed(batch)
+    gaps = torch.randint(1000, 10**7, (int(bounds[-1]),), generator=gen)
+    per_user = [BASE_TS + gaps[a:b].cumsum(0) for a, b in itertools.pairwise(bounds)]
+    ts = torch.cat(per_user).cuda()  # [T], increasing within each user
+    _, v, q, k = _qkv(int(bounds[-1]), layer, gen)
+    offsets = torch.from_numpy(bounds).cuda()
+    first = slice(0, int(lengths[0]))
+    ref = pfa.jagged_silu_attention_reference(
+        q[first].float(), k[first].float(), v[first].float(), ts[first], offsets[:2],
+        *layer.tail_fp32(),
+    )  # fmt: skip
+    flops = 4.0 * layer.heads * layer.head_dim * float((lengths * (lengths + 1) / 2).sum())
+    median = int(np.median(lengths))
+    rows = []
+    for thresholds in (False, True):
+        call = partial(pfk.launch_prefill, q, k, v, ts, offsets, layer.pos_bias,
+                       layer.time_bias, layer.edges, layer.n, thresholds=thresholds)  # fmt: skip
+        name = "x".join(map(str, pfk.PREFILL_LAUNCHES[0])) + ("-thr" if thresholds else "")
+        err = _rel_err(call()[first], ref)
+        rows.append(_row("prefill-skewed", batch, median, "triton", name, _time(call, iters),
+                         flops, err))  # fmt: skip
     return rows
 
 

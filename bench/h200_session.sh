@@ -243,6 +243,7 @@ rows = []
 for history in (1000, 4096):
     rows += hp._prefill_rows(hp.Layer(seed=0), 64, history, 10)
     torch.cuda.empty_cache()
+rows += hp.skewed_rows(hp.Layer(seed=0), 64, 10)
 for r in rows:
     print(r['op'], r['batch'], r['history'], r['impl'], r['launch'], r['ms'], r['tflop_s'], r['rel_err_vs_fp32'])
 json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[1], 'w'), indent=1)
