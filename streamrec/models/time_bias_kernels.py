@@ -17,9 +17,10 @@ edge ``e_b`` the keys with ``ts_i - ts_j >= e_b`` are a prefix ``j < thr[i, b]``
 bucket of ``(i, j)`` is the number of thresholds above ``j``. ``bucket_thresholds``
 computes ``thr [T, E]`` (a binary search per token and edge) and flags the users it holds
 for; a tile then compares its int32 column index with ``[BM]`` thresholds per edge in its
-range: exact, with no per-element fp64. (Row-major on purpose: the edge-major layout,
-one contiguous ``[BM]`` load per edge, ran 1.19x slower at history 1,000 and 1.12x at
-4,096 on the H100, 2026-12-06; BENCHMARKS.md issue 14.)
+range: exact, with no per-element fp64. (Row-major: the edge-major layout, one contiguous
+``[BM]`` load per edge, ran 1.19x slower at history 1,000 and 1.12x at 4,096 on the
+H100, 2026-12-06, both timed while the key loop was still unpipelined; BENCHMARKS.md
+issue 14.)
 """
 
 from __future__ import annotations
