@@ -15,6 +15,15 @@ if [ -d .whl ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+bench_packages() {  # the HSTU-8L AOTI packages here: carried (.carry/bench-aoti.tgz) or built; log to $1
+  [ ! -d .streamrec-cache/bench-aoti ] && [ -f .carry/bench-aoti.tgz ] && tar xzf .carry/bench-aoti.tgz
+  [ -d .streamrec-cache/bench-aoti ] || python3 -m bench.aoti_packages --workloads HSTU-8L > "$1" 2>&1
+}
+three_workers() {  # worker_bench: HSTU-8L, AOTI, 2,000 users, three workers under MPS; $1 results dir
+  local dir=$1; shift
+  timeout 200 python3 -m bench.worker_bench --config hstu-8l --device cuda --aoti --users 2000 \
+    --max-batch-users 256 --partitions 12 --processes 3 --drain-s 8 "$@" --results-dir "$dir" 2>&1
+}
 for stage in "$@"; do
   start=$(date +%s)
   case "$stage" in
@@ -129,24 +138,16 @@ for stage in "$@"; do
       # e2p stage's 60,000 events last < 1 s at ~68,000/s, mostly ramp), plus one paced
       # rate; after tree only, packages as for e2p (carried .carry/bench-aoti.tgz or built)
       mkdir -p "$OUT/backlog"
-      [ ! -d .streamrec-cache/bench-aoti ] && [ -f .carry/bench-aoti.tgz ] && tar xzf .carry/bench-aoti.tgz
-      [ -d .streamrec-cache/bench-aoti ] || python3 -m bench.aoti_packages --workloads HSTU-8L \
-        > "$OUT/backlog/packages.log" 2>&1
-      timeout 200 python3 -m bench.worker_bench --config hstu-8l --device cuda --aoti \
-        --users 2000 --events 200000 --rates 5000 --seconds 5 --drain-s 8 \
-        --max-batch-users 256 --partitions 12 --warm-wave 256 --processes 3 \
-        --results-dir "$OUT/backlog" 2>&1 | grep -E "^(throughput|latency) |^host:|Error" | tail -5 ;;
+      bench_packages "$OUT/backlog/packages.log"
+      three_workers "$OUT/backlog" --events 200000 --rates 5000 --seconds 5 --warm-wave 256 \
+        | grep -E "^(throughput|latency) |^host:|Error" | tail -5 ;;
     warmup)  # issue 14's warm-up target (>= 2,000 users/s): 2,000 skewed users in one wave
       # (the e2p stage's 256-user waves each wait for the last one's completions; they
       # measured 974-1,079 users/s over the completion span), 3 AOTI workers under MPS
       mkdir -p "$OUT/warmup"
-      [ ! -d .streamrec-cache/bench-aoti ] && [ -f .carry/bench-aoti.tgz ] && tar xzf .carry/bench-aoti.tgz
-      [ -d .streamrec-cache/bench-aoti ] || python3 -m bench.aoti_packages --workloads HSTU-8L \
-        > "$OUT/warmup/packages.log" 2>&1
-      timeout 200 python3 -m bench.worker_bench --config hstu-8l --device cuda --aoti \
-        --users 2000 --events 20000 --rates 2000 --seconds 3 --drain-s 8 \
-        --max-batch-users 256 --partitions 12 --warm-wave 0 --processes 3 \
-        --results-dir "$OUT/warmup" 2>&1 | grep -E "^(warm|throughput|latency) |^host:|Error" | tail -5 ;;
+      bench_packages "$OUT/warmup/packages.log"
+      three_workers "$OUT/warmup" --events 20000 --rates 2000 --seconds 3 --warm-wave 0 \
+        | grep -E "^(warm|throughput|latency) |^host:|Error" | tail -5 ;;
     worker|worker-eager|worker-aoti)  # (e): the whole worker with the dev broker here
       flags=""; [ "$stage" = worker-eager ] && flags="--no-cuda-graphs"
       [ "$stage" = worker-aoti ] && flags="--aoti"  # AOTI packages in CUDA graphs (issue 15)

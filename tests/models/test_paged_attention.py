@@ -44,6 +44,7 @@ from streamrec.models.paged_attention import (
     paged_silu_attention_reference,
 )
 from tests.models.kernel_device import kernel_device
+from tests.models.prefill_cases import rel_err
 
 BF16_TOL = 1e-2
 FP32_TOL = 1e-5
@@ -51,12 +52,6 @@ ON_GPU = torch.cuda.is_available()
 # The interpreter runs a kernel program by program in NumPy: small shapes only there.
 BATCHES = [1, 8, 64, 256] if ON_GPU else [1, 5]
 LENGTH_CAP = 200 if ON_GPU else 40
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    assert torch.isfinite(got).all(), "op output has NaN/inf"
-    return float((got - want).norm() / want.norm().clamp(min=1e-30))
 
 
 @dataclass
