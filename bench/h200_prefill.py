@@ -9,7 +9,8 @@
   candidate rule of the fused full recompute), a few launch shapes.
 - ``prefill-skewed`` (``skewed_rows``): the warm-up's mix, B users of the reference's
   log-normal lengths (median 1,000, capped at 4,096; ``history`` = the batch's median),
-  the default launch with the time bias from timestamps and from key positions (-thr).
+  the default launch with the time bias from timestamps and from key positions (-thr),
+  and -thr at 64x16x4x4.
 
 q, k, v are strided views of one ``[T, 4, H, d]`` buffer, as the layer's projection leaves
 them. Each row checks the first user against the fp32 torch reference. Runs inside
@@ -42,6 +43,8 @@ CAND_LAUNCHES = (
     (128, 32, 8, 3, 256),
     (128, 32, 8, 2, 1024),
 )  # fmt: skip
+# Launch shapes timed with the time bias from key positions besides the default.
+THR_LAUNCHES = ((128, 32, 8, 2), (64, 16, 4, 4), (64, 32, 4, 3))
 NUM_TIME_BUCKETS = 32  # HSTUConfig's default, as build_model uses
 
 
@@ -125,7 +128,9 @@ def _prefill_rows(layer: Layer, batch: int, history: int, iters: int) -> list[di
     variants.append((pfk.PREFILL_LAUNCHES[0], False, loop, False))  # exact SiLU (graphs)
     variants.append((pfk.PREFILL_LAUNCHES[0], True, 32, False))  # the compare loop everywhere
     variants.append((pfk.PREFILL_LAUNCHES[0], True, loop, True))  # "-thr"
-    variants.append(((128, 32, 8, 2), True, loop, True))
+    # -thr at smaller tiles: 64x16x4x4 keeps 200 registers and 40 KB, two CTAs per SM
+    # (bench/kernel_resources.py), where the 8-warp tiles fit one
+    variants += [(launch, True, loop, True) for launch in THR_LAUNCHES]
     for launch, fast, bucket_loop, thresholds in variants:
         bm, bn, warps, stages = launch
         call = partial(
@@ -177,10 +182,13 @@ def skewed_rows(layer: Layer, batch: int, iters: int) -> list[dict[str, object]]
     flops = 4.0 * layer.heads * layer.head_dim * float((lengths * (lengths + 1) / 2).sum())
     median = int(np.median(lengths))
     rows = []
-    for thresholds in (False, True):
+    default = pfk.PREFILL_LAUNCHES[0]
+    for launch, thresholds in [(default, False), (default, True), (THR_LAUNCHES[1], True)]:
+        bm, bn, warps, stages = launch
         call = partial(pfk.launch_prefill, q, k, v, ts, offsets, layer.pos_bias,
-                       layer.time_bias, layer.edges, layer.n, thresholds=thresholds)  # fmt: skip
-        name = "x".join(map(str, pfk.PREFILL_LAUNCHES[0])) + ("-thr" if thresholds else "")
+                       layer.time_bias, layer.edges, layer.n, block_m=bm, block_n=bn,
+                       num_warps=warps, num_stages=stages, thresholds=thresholds)  # fmt: skip
+        name = "x".join(map(str, launch)) + ("-thr" if thresholds else "")
         err = _rel_err(call()[first], ref)
         rows.append(_row("prefill-skewed", batch, median, "triton", name, _time(call, iters),
                          flops, err))  # fmt: skip

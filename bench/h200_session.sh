@@ -248,7 +248,7 @@ rows += hp.skewed_rows(hp.Layer(seed=0), 64, 10)
 for r in rows:
     print(r['op'], r['batch'], r['history'], r['impl'], r['launch'], r['ms'], r['tflop_s'], r['rel_err_vs_fp32'])
 json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[1], 'w'), indent=1)
-" "$OUT/prefill_bucket.json" 2>&1 | grep -v "^W[0-9]" | tail -28 ;;
+" "$OUT/prefill_bucket.json" 2>&1 | grep -v "^W[0-9]" | tail -32 ;;
     pipelines)  # fourteenth session's untimed changes (~5-6 min): the prefill's -thr rows with
       # their key loop pipelined again, the decode sweep with Triton's pipeline over the
       # one-token loop (launches ending x0x2 / x0x3) at batch 8 and 64, the FP8 kernel rows,
