@@ -61,6 +61,19 @@ TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 ROWS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
 
 
+def _compile(fn: Any, signature: dict[str, str], constants: dict[str, Any],
+             aligned: list[str], options: dict[str, int]) -> Any:  # fmt: skip
+    """``fn`` compiled for sm_90a, the ``aligned`` arguments specialised as divisible by 16
+    (as Triton specialises pointers and strides at the reference shapes)."""
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=H200, options=options)
+
+
+def _print_row(label: str, row: dict[str, object]) -> None:
+    print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+
+
 def compile_prefill(launch: tuple[int, ...], dtype: str = "bf16", heads: int = 4,
                     head_dim: int = 128,
                     bucket_loop: int = pfk.PREFILL_BUCKET_LOOP, mode: int = 0) -> Any:  # fmt: skip
@@ -81,9 +94,7 @@ def compile_prefill(launch: tuple[int, ...], dtype: str = "bf16", heads: int = 4
         MODE=mode,
     )  # fmt: skip
     aligned = [*types, "stride_q", "stride_k", "stride_v"]  # as Triton specialises them
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=H200, options={"num_warps": warps, "num_stages": stages})
+    return _compile(fn, signature, constants, aligned, {"num_warps": warps, "num_stages": stages})
 
 
 # (block_n, warps, acc2d, chunk tokens, chunk key tile[, prefetch[, stages]]): the op's default
@@ -128,9 +139,7 @@ def compile_decode(launch: tuple[Any, ...], dtype: str = "bf16", kv_fp8: bool = 
         STAGES=stages,
     )  # fmt: skip
     aligned = [name for name, kind in signature.items() if kind[0] in "*i"]
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=H200, options={"num_warps": warps})
+    return _compile(fn, signature, constants, aligned, {"num_warps": warps})
 
 
 def programs_per_sm(row: dict[str, Any], warps: int) -> int:
@@ -218,10 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # a shape Triton cannot lower
             print(f"{launch} mode {mode}: {type(exc).__name__}: {exc}"[:200])
             continue
-        print(
-            f"prefill {'x'.join(map(str, launch))}{'-thr' if mode else ''}: "
-            + ", ".join(f"{k} {v}" for k, v in row.items())
-        )
+        _print_row(f"prefill {'x'.join(map(str, launch))}{'-thr' if mode else ''}", row)
     return 0
 
 
@@ -239,7 +245,7 @@ def decode_main(dtype: str, inductor: bool) -> int:
                 continue
             row.pop("key_loop_sass")  # (mma.sync, not the HGMMA loops it counts)
             row["programs_per_sm"] = programs_per_sm(row, int(launch[1]))
-            print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+            _print_row(label, row)
     return 1 if failed else 0
 
 
@@ -267,9 +273,7 @@ def compile_rank(launch: tuple[int, ...], kv_fp8: bool = False, heads: int = 4,
     constants = dict(H=heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=False,
                      FAST=True, KV_FP8=kv_fp8, ACT=True)  # fmt: skip
     aligned = [name for name, kind in signature.items() if kind[0] in "*i"]
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=H200, options={"num_warps": warps, "num_stages": stages})
+    return _compile(fn, signature, constants, aligned, {"num_warps": warps, "num_stages": stages})
 
 
 def rank_main() -> int:
@@ -277,7 +281,7 @@ def rank_main() -> int:
         for launch in RANK_LAUNCHES:
             row = resources(compile_rank(launch, kv_fp8))
             label = f"rank {'x'.join(map(str, launch))} {'fp8' if kv_fp8 else 'bf16'}"
-            print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+            _print_row(label, row)
     return 0
 
 
@@ -295,10 +299,8 @@ def compile_select(config: Any, keep: int = 256, dim: int = 512) -> Any:
                      CAP=triton.next_power_of_2(keep + tiles * config.block_v), KEEP=keep,
                      FLAT=config.flat)  # fmt: skip
     aligned = [*pointers, "stride_u", "stride_t"]
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    return triton.compile(source, target=H200, options=options)
+    return _compile(fn, signature, constants, aligned, options)
 
 
 def select_main() -> int:
@@ -309,7 +311,7 @@ def select_main() -> int:
             row = resources(compile_select(cfg))
             label = (f"select B{cfg.block_b} V{cfg.block_v} K{cfg.block_k} w{cfg.num_warps} "
                      f"s{cfg.num_stages}{' flat' if flat else ''}")  # fmt: skip
-            print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+            _print_row(label, row)
     return 0
 
 
@@ -322,9 +324,7 @@ def compile_scan(keep: int, dtype: str = "bf16") -> Any:
     block = ss.SCAN_BLOCK
     constants = dict(BLOCK=block, CAP=keep + block, KEEP=keep, WIN=max(ss.COMPACT_WINDOW, keep))
     aligned = [*pointers, "num_cols", "seg_cols", "stride_ex"]  # as at 1M items, E = 16
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
-    return triton.compile(source, target=H200, options={"num_warps": ss.SCAN_WARPS})
+    return _compile(fn, signature, constants, aligned, {"num_warps": ss.SCAN_WARPS})
 
 
 def scan_main(dtype: str) -> int:
@@ -333,7 +333,7 @@ def scan_main(dtype: str) -> int:
         row = resources(compile_scan(keep, dtype))
         row.pop("key_loop_sass")
         row["programs_per_sm"] = programs_per_sm(row, ss.SCAN_WARPS)
-        print(f"scan keep {keep} {dtype}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+        _print_row(f"scan keep {keep} {dtype}", row)
     return 0
 
 
