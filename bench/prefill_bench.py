@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ import torch
 from bench._report import print_table, write_results
 from bench.engine_bench import SMALL, WORKLOADS, _model
 from bench.reference_config import ReferenceWorkload
+from streamrec.models import prefill_attention
 from streamrec.models.hstu import HSTU
 from streamrec.models.prefill_attention import fused_prefill_enabled
 
@@ -75,6 +77,13 @@ def _grouped(model: HSTU, lengths: np.ndarray, device: str) -> list[torch.Tensor
     return outs
 
 
+def _per_element(model: HSTU, inputs: Jagged) -> object:
+    """The fused prefill with every tile's time bias taken per element (the op's launch
+    before it took the bias of sorted users from key positions), for the before/after."""
+    with mock.patch.object(prefill_attention, "PREFILL_THRESHOLDS", False):
+        return model.prefill(*inputs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="cpu-1k")
@@ -111,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         variants[f"model.prefill ({kind}), grouped by length class (engine)"] = lambda: _grouped(
             model, lengths, args.device
         )
+        if fused and prefill_attention.PREFILL_THRESHOLDS:  # the default before 2026-12-06
+            variants[f"model.prefill ({kind}), one call, time bias per element"] = lambda: (
+                _per_element(model, inputs)
+            )
         base = None
         for name, fn in variants.items():
             ms = _time(fn, args.device, args.repeats)

@@ -97,8 +97,12 @@ DECODE_PREFETCH = False
 # 1 is a plain loop (no asynchronous copies: that loop holds no tl.dot, so Triton leaves it
 # alone unless asked); 2-3 put K, V and the timestamps of the next tiles in flight through
 # shared memory (sm_90a, 32-key tiles: 4 async copies, 152 registers against 128; bench/
-# kernel_resources.py). Untimed: the sweeps' launches ending "x0x2" / "x0x3" time it.
+# kernel_resources.py). Measured (H100, 2026-12-06, fourth session): bf16 gains nothing
+# (batch 64: 0.1061 ms at 16x4x1024 stages 3 against 0.1036 at the plain 32x4x512), FP8
+# gains most (batch 256: 0.2315 against 0.4335 ms; the best FP8 launch at batch 64 and 256
+# both had 3 stages): an FP8 tile is half the bytes, so more of them must be in flight.
 DECODE_STAGES = 1
+DECODE_STAGES_FP8 = 3
 
 
 def triton_available() -> bool:
@@ -421,12 +425,15 @@ if triton is not None:
         block_m: int = CHUNK_M,
         chunk_n: int = CHUNK_N,
         prefetch: bool = DECODE_PREFETCH,
-        stages: int = DECODE_STAGES,
+        stages: int | None = None,
     ) -> torch.Tensor:
         """The decode kernel with an explicit launch shape (the op uses the defaults;
         bench/h200_bench.py sweeps them); an FP8 pool with ``kv_scale [2, H]``. A chunk of
         ``block_m`` new tokens of one user runs over key tiles of ``chunk_n``, one token
-        over tiles of ``block_n``. Returns [G, H, d] in q's dtype."""
+        over tiles of ``block_n``; ``stages`` defaults by the pool's dtype. Returns
+        [G, H, d] in q's dtype."""
+        if stages is None:
+            stages = DECODE_STAGES if kv_scale is None else DECODE_STAGES_FP8
         q, k_new, v_new = head_rows(q), head_rows(k_new), head_rows(v_new)
         num_queries, num_heads, head_dim = q.shape
         num_users = cached_lens.shape[0]

@@ -40,6 +40,8 @@ from streamrec.models.prefill_kernels import (
     PREFILL_BLOCK_M,
     PREFILL_BLOCK_N,
     PREFILL_LAUNCHES,
+    PREFILL_THR_LAUNCH,
+    PREFILL_THRESHOLDS,
     triton_available,
 )
 
@@ -181,10 +183,12 @@ if triton_available():
         kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal SiLU attention of every user's tokens (q, k, v [T, H, d] jagged)."""
-        launch = FP32_LAUNCH if q.dtype == torch.float32 else PREFILL_LAUNCHES[0]
+        launch = PREFILL_THR_LAUNCH if PREFILL_THRESHOLDS else PREFILL_LAUNCHES[0]
+        if q.dtype == torch.float32:
+            launch = FP32_LAUNCH
         return launch_prefill(
             q, k, v, ts, offsets, pos_bias, time_bias, edges, divisor, *launch,
-            kv_scale=kv_scale,
+            kv_scale=kv_scale, thresholds=PREFILL_THRESHOLDS,
         )  # fmt: skip
 
     @torch.library.triton_op(OP_CANDIDATES, mutates_args={})

@@ -62,8 +62,12 @@ PREFILL_STAGES = 3
 # (``add_time_bias``); 32 (> any bucket count) keeps the compare loop everywhere.
 PREFILL_BUCKET_LOOP = 4
 # Users whose timestamps never decrease take the time bias from key positions
-# (time_bias_kernels.py): off until a GPU sweep (rows "-thr") times it.
-PREFILL_THRESHOLDS = False
+# (time_bias_kernels.py), at their own launch shape: 64 x 16 tiles, 4 warps, 4 stages (two
+# CTAs per SM). H100, batch 64 (2026-12-06, fourth session): 64 users of the warm-up's
+# skewed lengths 4.436 ms against 5.185 (1.17x); history 4,096 15.70 against 19.00
+# (1.21x); history 1,000 1.636 against 1.530 (0.94x). The warm-up's mix decides: on.
+PREFILL_THRESHOLDS = True
+PREFILL_THR_LAUNCH = (64, 16, 4, 4)
 # (BLOCK_M, BLOCK_N, warps, stages) the kernel sweep times; the defaults above come first.
 PREFILL_LAUNCHES = (
     (PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES),
