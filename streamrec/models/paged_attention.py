@@ -99,10 +99,11 @@ DECODE_PREFETCH = False
 # shared memory (sm_90a, 32-key tiles: 4 async copies, 152 registers against 128; bench/
 # kernel_resources.py). Measured (H100, 2026-12-06, fourth session): bf16 gains nothing
 # (batch 64: 0.1061 ms at 16x4x1024 stages 3 against 0.1036 at the plain 32x4x512), FP8
-# gains most (batch 256: 0.2315 against 0.4335 ms; the best FP8 launch at batch 64 and 256
-# both had 3 stages): an FP8 tile is half the bytes, so more of them must be in flight.
+# does: an FP8 tile is half the bytes, so more of them must be in flight. An FP8 pool
+# takes its own launch, 16-key tiles, 1,024 programs, 3 stages: the fastest of nine at
+# batch 64 and 256 (0.0774 / 0.2320 ms against 0.0943 / 0.2657 at the bf16 launch).
 DECODE_STAGES = 1
-DECODE_STAGES_FP8 = 3
+DECODE_FP8_LAUNCH = (16, 1024, 3)  # (BLOCK_N, TARGET_PROGRAMS, STAGES)
 
 
 def triton_available() -> bool:
@@ -416,9 +417,9 @@ if triton is not None:
         time_bias: torch.Tensor,
         edges: torch.Tensor,
         divisor: int,
-        block_n: int = DECODE_BLOCK_N,
+        block_n: int | None = None,
         num_warps: int = DECODE_WARPS,
-        target_programs: int = TARGET_PROGRAMS,
+        target_programs: int | None = None,
         fast: bool = True,
         acc2d: bool = DECODE_ACC2D,
         kv_scale: torch.Tensor | None = None,
@@ -430,10 +431,16 @@ if triton is not None:
         """The decode kernel with an explicit launch shape (the op uses the defaults;
         bench/h200_bench.py sweeps them); an FP8 pool with ``kv_scale [2, H]``. A chunk of
         ``block_m`` new tokens of one user runs over key tiles of ``chunk_n``, one token
-        over tiles of ``block_n``; ``stages`` defaults by the pool's dtype. Returns
-        [G, H, d] in q's dtype."""
-        if stages is None:
-            stages = DECODE_STAGES if kv_scale is None else DECODE_STAGES_FP8
+        over tiles of ``block_n``; ``block_n``, ``target_programs`` and ``stages`` default
+        by the pool's dtype. Returns [G, H, d] in q's dtype."""
+        default = (
+            (DECODE_BLOCK_N, TARGET_PROGRAMS, DECODE_STAGES)
+            if kv_scale is None
+            else DECODE_FP8_LAUNCH
+        )
+        block_n = default[0] if block_n is None else block_n
+        target_programs = default[1] if target_programs is None else target_programs
+        stages = default[2] if stages is None else stages
         q, k_new, v_new = head_rows(q), head_rows(k_new), head_rows(v_new)
         num_queries, num_heads, head_dim = q.shape
         num_users = cached_lens.shape[0]
