@@ -5,10 +5,12 @@ It runs in its own process so that producing never competes with the measured wo
 its event loop or GIL; ``Job`` is what the bench hands it over a pipe, and the reply says
 how fast it kept up (``max_lag_ms`` behind the schedule) and, as p50/p99, each paced
 event's scheduled time → append (``append_lag``) and append → ack (every 16th event), and
-the full collections it paid during the job (``gc_full_*``). The process freezes its
-start-up heap first: the spawn re-imports the bench's main module, torch with it, and a
-full collection over that heap stopped this producer for 133 ms at 5,000/s (CPU machine;
-the H200 rows before showed the same as ``producer_max_lag_ms`` 152 ms, p99 lag 105 ms).
+the full collections it paid during the job (``gc_full_*``); an empty job's reply says
+the producer is up and knows the topic (worker_bench waits for it before its first
+phase). The process freezes its start-up heap first: the spawn re-imports the bench's
+main module, torch with it, and a full collection over that heap stopped this producer for
+133 ms at 5,000/s (CPU machine; the H200 rows before showed the same as
+``producer_max_lag_ms`` 152 ms, p99 lag 105 ms).
 ``partition_of`` is Kafka's default partitioner, which the per-process KV budget of
 ``worker_bench --processes`` must agree with.
 """
@@ -67,6 +69,7 @@ async def _producer_loop(
         bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_batch_size=1 << 20
     )
     await producer.start()
+    await producer.partitions_for(topic)  # the topic's metadata before the first job
     loop, rng = asyncio.get_running_loop(), np.random.default_rng(1)
     try:
         while (job := await loop.run_in_executor(None, conn.recv)) is not None:

@@ -9,13 +9,14 @@ broker runs on this machine; a spawned producer process (aiokafka, msgpack) send
 event off the worker's loop and GIL, all as complete playbacks on the playback topic keyed
 by user: a recommendation of version v covers the user's first ``v - preloaded`` events.
 
-Phases, each waiting until all its events are completed: **warm**, one event per user (all
-misses: prefill), in waves of ``--warm-wave`` users, each sent when the last one has
-completed: every wave adds a round trip through the broker and drains the engines, so
-the warm-up's rate is the worker's with one wave (``--warm-wave 0``). A dense prefill (no
-Triton) holds [H, N, N] temporaries, ~0.8 GB per rebuilt HSTU-8L user: there the waves
-(32 on CUDA) bound its memory; the fused jagged prefill cuts its calls at
-``model_step.PREFILL_CALL_TOKENS`` and needs none. **prime**
+Phases, once the producer process answers (its start-up, ``producer_start_s`` 2-5 s on
+this CPU machine, was in the warm row's wall), each waiting until all its events are
+completed: **warm**, one event per user (all misses: prefill), in waves of ``--warm-wave``
+users, each sent when the last one has completed: every wave adds a round trip through
+the broker and drains the engines, so the warm-up's rate is the worker's with one wave
+(``--warm-wave 0``). A dense prefill (no Triton) holds [H, N, N] temporaries, ~0.8 GB per
+rebuilt HSTU-8L user: there the waves (32 on CUDA) bound its memory; the fused jagged
+prefill cuts its calls at ``model_step.PREFILL_CALL_TOKENS`` and needs none. **prime**
 (untimed): waves of 1, 16, 17 and ``max_batch_users`` users, so the Triton kernels compile
 before timing (the first warm wave pays the candidate kernel's). **throughput**: a backlog
 of ``--events`` (uniform, Zipf with ``--skew``); ``sustained_events_per_s`` counts from the
@@ -155,6 +156,14 @@ class Bench:
         self.book.add(job)
         self.produced += len(job.users)
         self.conn.send(job)
+
+    async def connected(self) -> float:
+        """Seconds until the producer process answers an empty job: its start-up (the spawn
+        re-imports this module, torch with it) stays out of the warm phase's wall time."""
+        began = time.perf_counter()
+        self.send(Job(np.zeros(0, dtype=np.int64)))
+        await self.result()
+        return round(time.perf_counter() - began, 2)
 
     async def result(self) -> dict[str, float]:
         conn, timeout = self.conn, self.timeout_s
@@ -457,6 +466,7 @@ async def _run(ns: argparse.Namespace) -> tuple[list[Row], Row]:
             proc.start()
             bench = Bench(side, conn, EventBook(plan.lengths), ns.timeout_s)
             try:
+                setup["producer_start_s"] = await bench.connected()
                 rows = await _phases(bench, plan, ns)
             finally:
                 with contextlib.suppress(OSError):
