@@ -16,6 +16,7 @@ beside the worker bench's warm phase (issue 14: >= 2,000 users/s at HSTU-8L).
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 from unittest import mock
@@ -29,6 +30,7 @@ from bench.reference_config import ReferenceWorkload
 from streamrec.models import prefill_attention
 from streamrec.models.hstu import HSTU
 from streamrec.models.prefill_attention import fused_prefill_enabled
+from streamrec.pipeline.model_step import PREFILL_CALL_TOKENS
 
 # The reference's shape of histories (median 1/4 of the cap, log-normal, sigma 1) at a
 # size a CPU runs in seconds.
@@ -77,6 +79,23 @@ def _grouped(model: HSTU, lengths: np.ndarray, device: str) -> list[torch.Tensor
     return outs
 
 
+def _cut(lengths: np.ndarray, cap: int, num_items: int, device: str) -> list[Jagged]:
+    """The engine's calls (ModelStep._prefill, jagged): consecutive users, at most ``cap``
+    tokens a call (a user longer than ``cap`` alone), inputs built before timing."""
+    calls, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths.tolist()):
+        if tokens and tokens + n > cap:
+            calls.append(lengths[start:i])
+            start, tokens = i, 0
+        tokens += n
+    calls.append(lengths[start:])
+    return [_jagged(part, num_items, device) for part in calls]
+
+
+def _calls(model: HSTU, parts: list[Jagged]) -> list[torch.Tensor]:
+    return [model.prefill(*x)[2] for x in parts]
+
+
 def _per_element(model: HSTU, inputs: Jagged) -> object:
     """The fused prefill with every tile's time bias taken per element (the op's launch
     before it took the bias of sorted users from key positions), for the before/after."""
@@ -120,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         variants[f"model.prefill ({kind}), grouped by length class (engine)"] = lambda: _grouped(
             model, lengths, args.device
         )
+        if fused:  # the engine's calls, and twice its cut (activation memory against tails)
+            for cap in (PREFILL_CALL_TOKENS, 2 * PREFILL_CALL_TOKENS):
+                parts = _cut(lengths, cap, cfg.num_items, args.device)
+                name = f"model.prefill ({kind}), calls of <= {cap:,} tokens"
+                variants[name] = functools.partial(_calls, model, parts)
         if fused and prefill_attention.PREFILL_THRESHOLDS:  # the default before 2026-12-06
             variants[f"model.prefill ({kind}), one call, time bias per element"] = lambda: (
                 _per_element(model, inputs)
