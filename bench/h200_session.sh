@@ -142,8 +142,8 @@ for stage in "$@"; do
       three_workers "$OUT/backlog" --events 200000 --rates 5000 --seconds 5 --warm-wave 256 \
         | grep -E "^(throughput|latency) |^host:|Error" | tail -5 ;;
     warmup)  # issue 14's warm-up target (>= 2,000 users/s): 2,000 skewed users in one wave
-      # (the e2p stage's 256-user waves each wait for the last one's completions; they
-      # measured 974-1,079 users/s over the completion span), 3 AOTI workers under MPS
+      # (the e2p stage's 256-user waves each wait for the last one's completions), 3 AOTI
+      # workers under MPS; fifteenth session, H100: 1,082 users/s over the wall
       mkdir -p "$OUT/warmup"
       bench_packages "$OUT/warmup/packages.log"
       three_workers "$OUT/warmup" --events 20000 --rates 2000 --seconds 3 --warm-wave 0 \
@@ -249,10 +249,10 @@ for r in rows:
     print(r['op'], r['batch'], r['history'], r['impl'], r['launch'], r['ms'], r['tflop_s'], r['rel_err_vs_fp32'])
 json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[1], 'w'), indent=1)
 " "$OUT/prefill_bucket.json" 2>&1 | grep -v "^W[0-9]" | tail -32 ;;
-    pipelines)  # fourteenth session's untimed changes (~5-6 min): the prefill's -thr rows with
-      # their key loop pipelined again, the decode sweep with Triton's pipeline over the
-      # one-token loop (launches ending x0x2 / x0x3) at batch 8 and 64, the FP8 kernel rows,
-      # the retrieval gpu tests and its tile sweep (flat rows)
+    pipelines)  # the three loops Triton pipelines since the fourteenth session (~5-6 min;
+      # timed in the fifteenth: BENCHMARKS.md issue 14): the prefill's -thr rows, the decode
+      # sweep with Triton's pipeline over the one-token loop (launches ending x0x2 / x0x3) at
+      # batch 8 and 64, the FP8 kernel rows, the retrieval gpu tests and its tile sweep
       bash "$0" prefill-bucket
       python3 -m bench.h200_bench --sections attention --kernel-ops extend --batches 8 64 \
         --workloads HSTU-8L --iters 30 --out "$OUT/decode" 2>&1 \
