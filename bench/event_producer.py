@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bench.gc_pauses import GcPauses
+from streamrec.errors import BrokerError
 from streamrec.schemas.codec import encode_event
 from streamrec.schemas.events import PlaybackEvent
 from streamrec.schemas.wire import CONTENT_TYPE_HEADER, WireFormat
@@ -45,6 +46,14 @@ class Job:
 
     users: IntArray  # [E]
     ts_ms: IntArray | None = None  # [E]
+
+
+async def job_result(conn: Connection, timeout_s: float) -> dict[str, float]:
+    """The producer process's reply to the job sent last (off the loop: a pipe read)."""
+    got = await asyncio.to_thread(lambda: conn.recv() if conn.poll(timeout_s) else None)
+    if got is None:
+        raise BrokerError(f"the producer process did not finish a job in {timeout_s} s")
+    return dict(got)
 
 
 def producer_process(

@@ -62,10 +62,10 @@ import numpy as np
 from bench._report import RESULTS_DIR, print_table, write_results
 from bench.bench_plan import IntArray, Plan, geometry, kv_budget
 from bench.engine_bench import WORKLOADS, _model, _preload
-from bench.event_producer import Job, producer_process
+from bench.event_producer import Job, job_result, producer_process
 from bench.reference_config import ReferenceWorkload
 from bench.soak import ProcessSampler
-from bench.worker_bench import EventBook, Row, _pct
+from bench.worker_phases import EventBook, Row, pct
 from streamrec.cache.history_backends import open_history_store
 from streamrec.errors import BrokerError
 from streamrec.models.checkpoint import META, save_checkpoint
@@ -192,11 +192,7 @@ class Fleet:
         self.conn.send(job)
 
     async def result(self) -> dict[str, float]:
-        conn, timeout = self.conn, self.timeout_s
-        got = await asyncio.to_thread(lambda: conn.recv() if conn.poll(timeout) else None)
-        if got is None:
-            raise BrokerError(f"the producer process did not finish a job in {timeout} s")
-        return dict(got)
+        return await job_result(self.conn, self.timeout_s)
 
     async def watch(self, timeout_s: float, e2p: list[float], until: float = 0.0) -> bool:
         """Collect e2p until wall time ``until`` or, without it, until every produced event
@@ -229,8 +225,8 @@ class Fleet:
         elapsed = max(time.time() - start_wall, 1e-9)
         row["broker_cpu_pct"] = round(100.0 * (self.broker_cpu_s() - cpu_s) / elapsed, 1)
         if e2p:
-            row |= {"e2p_events": len(e2p), "e2p_p50_ms": _pct(e2p, 50)}
-            row |= {"e2p_p99_ms": _pct(e2p, 99), "e2p_max_ms": round(max(e2p), 2)}
+            row |= {"e2p_events": len(e2p), "e2p_p50_ms": pct(e2p, 50)}
+            row |= {"e2p_p99_ms": pct(e2p, 99), "e2p_max_ms": round(max(e2p), 2)}
         return row
 
 
