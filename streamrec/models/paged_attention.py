@@ -97,7 +97,7 @@ DECODE_PREFETCH = False
 # 1 is a plain loop (no asynchronous copies: that loop holds no tl.dot, so Triton leaves it
 # alone unless asked); 2-3 put K, V and the timestamps of the next tiles in flight through
 # shared memory (sm_90a, 32-key tiles: 4 async copies, 152 registers against 128; bench/
-# kernel_resources.py). Measured (H100, 2026-12-06, fourth session): bf16 gains nothing
+# kernel_resources.py). Measured (H100, 2026-12-06, fifteenth session): bf16 gains nothing
 # (batch 64: 0.1061 ms at 16x4x1024 stages 3 against 0.1036 at the plain 32x4x512), FP8
 # does: an FP8 tile is half the bytes, so more of them must be in flight. An FP8 pool
 # takes its own launch, 16-key tiles, 1,024 programs, 3 stages: the fastest of nine at

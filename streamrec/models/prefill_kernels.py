@@ -63,7 +63,7 @@ PREFILL_STAGES = 3
 PREFILL_BUCKET_LOOP = 4
 # Users whose timestamps never decrease take the time bias from key positions
 # (time_bias_kernels.py), at their own launch shape: 64 x 16 tiles, 4 warps, 4 stages (two
-# CTAs per SM). H100, batch 64 (2026-12-06, fourth session): 64 users of the warm-up's
+# CTAs per SM). H100, batch 64 (2026-12-06, fifteenth session): 64 users of the warm-up's
 # skewed lengths 4.436 ms against 5.185 (1.17x); history 4,096 15.70 against 19.00
 # (1.21x); history 1,000 1.636 against 1.530 (0.94x). The warm-up's mix decides: on.
 PREFILL_THRESHOLDS = True
