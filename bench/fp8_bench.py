@@ -242,10 +242,11 @@ def kernel_rows(setup: Setup, ceil: dict[str, float]) -> list[dict[str, Any]]:
                 lens[:rsub], pb, tb, edges, n,
             )  # fmt: skip
             calls = [
-                ("x".join(map(str, var)),
+                ("x".join(map(str, var)) + ("" if f16 or kv_scale is None else "-bf16dots"),
                  _bind(ca.launch_candidates, cands, own_k, own_v, lens, data.ts, *pool,
-                       *tail, cfg.max_seq_len, *var, kv_scale=kv_scale))
+                       *tail, cfg.max_seq_len, *var, kv_scale=kv_scale, fp16_dots=f16))
                 for var in RANK_LAUNCHES
+                for f16 in ((True, False) if kv_scale is not None else (True,))
             ]  # fmt: skip
             found[name] = _best(f"rank {name} batch {batch}", calls, setup, want, rsub)
             del want

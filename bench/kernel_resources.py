@@ -271,7 +271,8 @@ def compile_rank(launch: tuple[int, ...], kv_fp8: bool = False, heads: int = 4,
     signature = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32")
                  for p in fn.params}  # fmt: skip
     constants = dict(H=heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=False,
-                     FAST=True, KV_FP8=kv_fp8, ACT=True)  # fmt: skip
+                     FAST=True, KV_FP8=kv_fp8, ACT=True,
+                     FP16_DOTS=kv_fp8 and ca.CAND_FP8_FP16_DOTS)  # fmt: skip
     aligned = [name for name, kind in signature.items() if kind[0] in "*i"]
     return _compile(fn, signature, constants, aligned, {"num_warps": warps, "num_stages": stages})
 

@@ -63,6 +63,13 @@ CAND_BLOCK_M = 128
 CAND_BLOCK_N = 64
 CAND_WARPS = 8
 CAND_STAGES = 2
+# An FP8 pool's codes go to the tensor cores as fp16, the query (bf16, converted once per
+# tile) and the SiLU weights with them: e4m3 -> f16 is one instruction per two codes on
+# sm_90, e4m3 -> bf16 goes through f32 (sm_90a compile, 128x64x8x2: the key loop 614 ->
+# 518 SASS, bf16's 572; F2F 161 -> 112, PRMT 168 -> 96). Exact where bf16 is: fp16 holds
+# every bf16 value in [2^-14, 65504] (the query is clamped to that range) and the weights
+# with 3 more mantissa bits. Untimed (fp8_bench rows "bf16dots" time the old way).
+CAND_FP8_FP16_DOTS = True
 KEY_BIAS_BLOCK = 256
 
 
@@ -185,9 +192,11 @@ if triton is not None:
         FAST: tl.constexpr,
         KV_FP8: tl.constexpr,
         ACT: tl.constexpr,
+        FP16_DOTS: tl.constexpr,
     ):
         """A tile of one user's candidates x one head x one key range, on tensor cores.
-        ``ACT``: q, k, v are the projection before its SiLU, applied here on load."""
+        ``ACT``: q, k, v are the projection before its SiLU, applied here on load;
+        ``FP16_DOTS`` (FP8 pool): the dots in fp16 (CAND_FP8_FP16_DOTS)."""
         # Inductor (AOTI) passes Python floats as fp64 scalars, which made every score
         # product and SiLU an fp64 op (the kernel ran 2.0x slower in the package, H200
         # batch 64): fp32 once here.
@@ -214,17 +223,20 @@ if triton is not None:
         table_row = tables_ptr + user * max_blocks
         bias_row = kbias_ptr + (user * H + h) * span
         k_scale = dot_k_scale(scale, kv_scale_ptr, h, KV_FP8)
+        qd = q  # [BM, D] the dots' query: codes convert to its dtype
+        if FP16_DOTS:
+            qd = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         for start in range(k_start, k_end, BLOCK_N):
             _, k, v = dot_tile_kv(start, k_end, table_row, block_size, h, k_ptr, v_ptr,
-                                  stride_kv_block, stride_kv_slot, q, D, BLOCK_N,
+                                  stride_kv_block, stride_kv_slot, qd, D, BLOCK_N,
                                   KV_FP8)  # fmt: skip
             keys = start + tl.arange(0, BLOCK_N)  # [BN]
             bias = tl.load(bias_row + keys, mask=keys < k_end, other=0.0)  # [BN] fp32
             if IEEE:  # noqa: SIM108 (Triton resolves a constexpr if, not a ternary)
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
-                s = tl.dot(q, tl.trans(k))
+                s = tl.dot(qd, tl.trans(k))
             s = (s * k_scale).to(tl.float32) + bias[None, :]  # [BM, BN]
             w = silu_over_n(s, inv_divisor, FAST)  # masked keys: V rows are zero
             if IEEE:
@@ -301,9 +313,11 @@ if triton is not None:
         kv_scale: torch.Tensor | None = None,
         columns: tuple[int, int, int] | None = None,
         activate: bool = False,
+        fp16_dots: bool = CAND_FP8_FP16_DOTS,
     ) -> torch.Tensor:
         """Both kernels with an explicit launch shape (the op uses the defaults;
-        bench/h200_bench.py sweeps them); an FP8 pool with ``kv_scale [2, H]``.
+        bench/h200_bench.py sweeps them); an FP8 pool with ``kv_scale [2, H]``, its dots
+        in fp16 with ``fp16_dots``.
 
         q, k_self, v_self [B, C, H, d]; or, with ``columns`` (q, k, v starts), one packed
         projection [B, C, W] passed three times (``activate``: before its SiLU).
@@ -336,8 +350,9 @@ if triton is not None:
             k_cache.stride(0), k_cache.stride(1), outputs, 1.0 / math.sqrt(head_dim),
             1.0 / divisor, H=num_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32, FAST=fast_silu_allowed(fast, q),
-            KV_FP8=kv_scale is not None, ACT=activate, num_warps=num_warps,
-            num_stages=num_stages,
+            KV_FP8=kv_scale is not None, ACT=activate,
+            FP16_DOTS=fp16_dots and kv_scale is not None and q.dtype != torch.float32,
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         return out
 
