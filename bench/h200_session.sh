@@ -143,11 +143,16 @@ for stage in "$@"; do
         | grep -E "^(throughput|latency) |^host:|Error" | tail -5 ;;
     warmup)  # issue 14's warm-up target (>= 2,000 users/s): 2,000 skewed users in one wave
       # (the e2p stage's 256-user waves each wait for the last one's completions), 3 AOTI
-      # workers under MPS; fifteenth session, H100: 1,082 users/s over the wall
+      # workers under MPS; fifteenth session, H100: 1,082 users/s over the wall. Once per
+      # prefill cut (model.prefill_call_tokens; 0 = the default 32,768), before/after in one call
       mkdir -p "$OUT/warmup"
       bench_packages "$OUT/warmup/packages.log"
-      three_workers "$OUT/warmup" --events 20000 --rates 2000 --seconds 3 --warm-wave 0 \
-        | grep -E "^(warm|throughput|latency) |^host:|Error" | tail -5 ;;
+      for cut in ${WARMUP_CUTS:-0 65536}; do
+        echo "prefill_call_tokens=$cut"
+        three_workers "$OUT/warmup/cut$cut" --events 20000 --rates 2000 --seconds 3 \
+          --warm-wave 0 --prefill-call-tokens "$cut" \
+          | grep -E "^(warm|throughput|latency) |^host:|Error" | tail -5
+      done ;;
     worker|worker-eager|worker-aoti)  # (e): the whole worker with the dev broker here
       flags=""; [ "$stage" = worker-eager ] && flags="--no-cuda-graphs"
       [ "$stage" = worker-aoti ] && flags="--aoti"  # AOTI packages in CUDA graphs (issue 15)

@@ -120,6 +120,8 @@ def worker_config(bootstrap: str, w: ReferenceWorkload, ns: argparse.Namespace, 
         model_extra["host_threads"] = ns.threads
     if ns.graph_buckets_per_octave:
         model_extra["graph_buckets_per_octave"] = ns.graph_buckets_per_octave
+    if ns.prefill_call_tokens:  # (a field the "before" tree does not have)
+        model_extra["prefill_call_tokens"] = ns.prefill_call_tokens
     return wc.WorkerConfig(
         kafka=wc.KafkaConfig(
             bootstrap,
@@ -170,12 +172,12 @@ async def local_side(
     build_s = time.perf_counter() - t0
     # A dense prefill holds [H, N, N] temporaries per rebuilt user; the fused one (issue
     # 14, not in the "before" tree) only its [T, ...] activations, and the engine cuts its
-    # calls at PREFILL_CALL_TOKENS tokens (where the tree has the cut).
+    # calls at --prefill-call-tokens or PREFILL_CALL_TOKENS (where the tree has the cut).
     fused = importlib.util.find_spec("streamrec.models.prefill_attention") is not None
     wave = ns.warm_wave or ns.users
     if fused:
         tokens = wave * w.max_seq_len
-        cut = getattr(model_step, "PREFILL_CALL_TOKENS", None)
+        cut = ns.prefill_call_tokens or getattr(model_step, "PREFILL_CALL_TOKENS", None)
         reserve = (tokens if cut is None else min(tokens, cut + w.max_seq_len)) * w.d_model * 64
     else:
         reserve = wave * w.max_seq_len**2 * (w.num_heads * 8 + 16)
@@ -364,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--graph-buckets-per-octave", type=int, default=0, help="CUDA-graph buckets; 0 = default"
+    )
+    parser.add_argument(
+        "--prefill-call-tokens", type=int, default=0, help="model.prefill_call_tokens; 0 = default"
     )
     parser.add_argument(
         "--host-ceiling",

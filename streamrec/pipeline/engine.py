@@ -41,7 +41,13 @@ from streamrec.models.vocabulary import ItemVocabulary
 from streamrec.pipeline.delta import UserDelta
 from streamrec.pipeline.item_catalog import ItemCatalog
 from streamrec.pipeline.micro_batcher import Batch
-from streamrec.pipeline.model_step import ModelStep, StepTimings, UserOutput, UserWork
+from streamrec.pipeline.model_step import (
+    PREFILL_CALL_TOKENS,
+    ModelStep,
+    StepTimings,
+    UserOutput,
+    UserWork,
+)
 from streamrec.pipeline.scorer import Scorer
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
@@ -63,10 +69,13 @@ class EngineConfig:
     # The model's prefill keeps tokens jagged (the fused prefill op): rebuilt users go in
     # one call. Off (a dense prefill), they go in calls per length class (model_step.py).
     jagged_prefill: bool = False
+    prefill_call_tokens: int = PREFILL_CALL_TOKENS  # most tokens of one jagged prefill call
     store_retry_initial_s: float = 0.05
     store_retry_max_s: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.prefill_call_tokens <= 0:
+            raise PipelineError(f"prefill_call_tokens={self.prefill_call_tokens}: need > 0")
         if not 0 < self.store_retry_initial_s <= self.store_retry_max_s:
             raise PipelineError(
                 f"store retry backoff {self.store_retry_initial_s}s..{self.store_retry_max_s}s: "
@@ -154,7 +163,7 @@ class Engine:
         self.scorer = Scorer(model, tiers.cache, config.scoring, task_names, catalog=catalog)
         self.step = ModelStep(
             model, tiers, self.scorer, self.device, catalog=catalog, generation=generation,
-            jagged_prefill=config.jagged_prefill,
+            jagged_prefill=config.jagged_prefill, prefill_call_tokens=config.prefill_call_tokens,
         )  # fmt: skip
         self._external = vocab.external_ids()  # [rows] item id per row, for the output
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="streamrec-engine")

@@ -27,7 +27,8 @@ from streamrec.pipeline.scorer import ScoredUsers, Scorer
 from streamrec.pipeline.serving_model import ServingModel
 from streamrec.pipeline.step_generation import StepGeneration
 
-# The most tokens one jagged prefill call takes (its activations grow with them).
+# The most tokens one jagged prefill call takes by default (its activations grow with
+# them; ``model.prefill_call_tokens`` sets it per worker).
 PREFILL_CALL_TOKENS = 32_768
 
 IntArray = np.ndarray
@@ -136,6 +137,7 @@ class ModelStep:
         catalog: ItemCatalog | None = None,
         generation: StepGeneration | None = None,
         jagged_prefill: bool = False,
+        prefill_call_tokens: int = PREFILL_CALL_TOKENS,
     ) -> None:
         self.model = model
         self.tiers = tiers
@@ -144,6 +146,7 @@ class ModelStep:
         self.catalog = catalog  # set: item rows become embedding-cache slots per call
         self.generation = generation
         self.jagged_prefill = jagged_prefill  # one prefill call, not one per length class
+        self.prefill_call_tokens = prefill_call_tokens
 
     def run(self, work: Sequence[UserWork]) -> tuple[list[UserOutput], StepTimings]:
         timings = StepTimings()
@@ -271,16 +274,17 @@ class ModelStep:
         grows with the square of that width: grouping keeps a few long users from making
         every short one pay for their length. A jagged prefill pads nothing, so groups
         only add calls and partial last tiles (H100, HSTU-8L, 256 skewed users: one call
-        1,762 users/s, grouped 1,481); its calls are cut at PREFILL_CALL_TOKENS only so
-        that a call's activations stay as small as the largest length class's were (one
-        call of ~120k tokens per worker ran three H100 workers out of memory).
+        1,762 users/s, grouped 1,481); its calls are cut at ``prefill_call_tokens`` only
+        so that a call's activations stay as small as the largest length class's were (one
+        call of ~120k tokens per worker ran three H100 workers out of memory; the cut at
+        32,768 costs 12 % against one call, 65,536 costs 7 %: H200, BENCHMARKS.md).
         """
         groups: dict[int, list[UserWork]] = {}
         chunk, chunk_tokens = 0, 0
         for w in work:
             n = int(w.tokens.shape[0])
-            if self.jagged_prefill:  # consecutive users, at most PREFILL_CALL_TOKENS a call
-                if chunk_tokens and chunk_tokens + n > PREFILL_CALL_TOKENS:
+            if self.jagged_prefill:  # consecutive users, at most prefill_call_tokens a call
+                if chunk_tokens and chunk_tokens + n > self.prefill_call_tokens:
                     chunk, chunk_tokens = chunk + 1, 0
                 chunk_tokens += n
                 groups.setdefault(chunk, []).append(w)

@@ -29,7 +29,7 @@ from aiokafka.errors import KafkaError
 from streamrec.cache.history_backends import open_history_store
 from streamrec.cache.history_store import HistoryStore
 from streamrec.errors import StreamrecError
-from streamrec.pipeline.engine import Engine, EngineConfig
+from streamrec.pipeline.engine import Engine
 from streamrec.pipeline.micro_batcher import MicroBatcher
 from streamrec.worker import interpreter
 from streamrec.worker.checkpoint import Checkpoint
@@ -48,6 +48,7 @@ from streamrec.worker.serving_pipeline import PublishedHook, ServingPipeline
 from streamrec.worker.serving_stack import (
     build_catalog,
     build_tiers,
+    engine_config,
     serving_generation,
     serving_model,
     serving_scoring,
@@ -194,9 +195,8 @@ class App:
         model = await asyncio.to_thread(serving_model, self.config, loaded, tiers.cache, scoring)
         gen = await asyncio.to_thread(serving_generation, self.config, loaded, tiers.cache, scoring)
         scoped = LogScopedStore(self._store)
-        vocab = loaded.checkpoint.vocab
-        name, version = loaded.checkpoint.model_name, loaded.checkpoint.version
-        config = EngineConfig(name, version, loaded.backend, scoring, loaded.jagged_prefill)
+        vocab, config = loaded.checkpoint.vocab, engine_config(self.config, loaded, scoring)
+        name, version = config.model_name, config.model_version
         self.engine = Engine(model, tiers, scoped, vocab, hstu.task_names, config, catalog, gen)
         checkpoint = Checkpoint(
             self.config,

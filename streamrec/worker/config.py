@@ -349,6 +349,10 @@ class ModelConfig(Section):
     # CPU (model_loader.host_threads says why)
     host_threads: int = 0
     weight_dtype: str = "model"  # "fp8": the layers' GEMMs in e4m3 (models/fp8_linear.py)
+    # Most history tokens one jagged prefill call takes (rebuilt users, consecutive);
+    # 0 = the engine's default (model_step.PREFILL_CALL_TOKENS): a call's activations grow
+    # with it, fewer calls cost fewer partial tiles (BENCHMARKS.md, issue 14).
+    prefill_call_tokens: int = 0
 
     def _validate(self) -> None:
         self._require(str(self.model_dir) != "", "model_dir", "must not be empty")
@@ -357,6 +361,9 @@ class ModelConfig(Section):
         self._one_of("weight_dtype", WEIGHT_DTYPES)
         self._positive("graph_max_tokens", "graph_buckets_per_octave")
         self._require(self.host_threads >= 0, "host_threads", "must be >= 0 (0 = automatic)")
+        self._require(
+            self.prefill_call_tokens >= 0, "prefill_call_tokens", "must be >= 0 (0 = default)"
+        )
 
 
 @dataclass(frozen=True)

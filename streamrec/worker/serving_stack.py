@@ -30,9 +30,11 @@ from streamrec.models.draft import load_draft
 from streamrec.models.hstu import HSTU
 from streamrec.models.quantization import kv_storage_dtype, model_precision
 from streamrec.pipeline.draft_catalog import DraftCatalog, load_draft_items
+from streamrec.pipeline.engine import EngineConfig
 from streamrec.pipeline.generation_workspace import ModelGeometry
 from streamrec.pipeline.generator import ROW_BUCKETS, Generator, GenModel
 from streamrec.pipeline.item_catalog import ItemCatalog
+from streamrec.pipeline.model_step import PREFILL_CALL_TOKENS
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import GeneratingModel, ServingModel
 from streamrec.pipeline.step_generation import StepGeneration
@@ -150,6 +152,17 @@ def serving_scoring(scoring: ScoringConfig, hstu: HSTUConfig) -> ScoringConfig:
         num_candidates=pool if scoring.num_candidates else 0,
         exclude_recent=exclude,
         task_weights={k: v for k, v in scoring.task_weights.items() if k in hstu.task_names},
+    )
+
+
+def engine_config(
+    config: WorkerConfig, loaded: LoadedModel, scoring: ScoringConfig
+) -> EngineConfig:
+    """The engine's settings from the worker's: what it reports, how it prefills."""
+    ck = loaded.checkpoint
+    call_tokens = config.model.prefill_call_tokens or PREFILL_CALL_TOKENS  # 0: the default
+    return EngineConfig(
+        ck.model_name, ck.version, loaded.backend, scoring, loaded.jagged_prefill, call_tokens
     )
 
 

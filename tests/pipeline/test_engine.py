@@ -226,6 +226,8 @@ async def test_store_outage_is_retried_not_skipped() -> None:
 def test_engine_config_rejects_bad_backoff() -> None:
     with pytest.raises(Exception, match="backoff"):
         EngineConfig(model_name="m", model_version="v", store_retry_initial_s=0.0)
+    with pytest.raises(Exception, match="prefill_call_tokens=0"):
+        EngineConfig(model_name="m", model_version="v", prefill_call_tokens=0)
 
 
 def _user_batch(seq: int, events: dict[str, int], start_offset: int) -> Batch:

@@ -14,7 +14,6 @@ from streamrec.cache.kv_cache import KVCache, KVCacheConfig
 from streamrec.cache.kv_tiers import KVTiers
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
-from streamrec.pipeline import model_step
 from streamrec.pipeline.model_step import ModelStep, UserWork
 from streamrec.pipeline.scorer import Scorer
 from streamrec.pipeline.scoring_config import ScoringConfig
@@ -88,11 +87,10 @@ class _CountingHSTU(HSTU):
 @torch.no_grad()
 @pytest.mark.parametrize(("call_tokens", "jagged_calls"), [(32_768, [3]), (220, [2, 1])])
 def test_jagged_prefill_rebuilds_every_length_class_in_one_call(
-    monkeypatch: pytest.MonkeyPatch, call_tokens: int, jagged_calls: list[int]
+    call_tokens: int, jagged_calls: list[int]
 ) -> None:
     """A dense prefill goes per power-of-two length class; a jagged one pads nothing, so
-    the step makes one call (cut only at PREFILL_CALL_TOKENS), with the same outputs."""
-    monkeypatch.setattr(model_step, "PREFILL_CALL_TOKENS", call_tokens)
+    the step makes one call (cut only at ``prefill_call_tokens``), with the same outputs."""
     cfg = dataclasses.replace(CFG, max_seq_len=256)
     torch.manual_seed(0)
     weights = HSTU(cfg).state_dict()
@@ -109,7 +107,7 @@ def test_jagged_prefill_rebuilds_every_length_class_in_one_call(
         scoring = ScoringConfig(top_k=8, num_candidates=20, exclude_recent=3)
         step = ModelStep(
             model, KVTiers(cache, None, cfg.max_seq_len), Scorer(model, cache, scoring,
-            cfg.task_names), cache.device, jagged_prefill=jagged,
+            cfg.task_names), cache.device, jagged_prefill=jagged, prefill_call_tokens=call_tokens,
         )  # fmt: skip
         outputs[jagged] = {o.user_id: o for o in step.run(work)[0]}
         assert model.prefill_users == (jagged_calls if jagged else [2, 1])

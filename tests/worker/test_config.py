@@ -127,6 +127,11 @@ def test_toml_int_accepted_for_float_field_and_str_for_path(tmp_path: Path) -> N
         ("env", {"STREAMREC_BATCHING__MAX_WAIT_MS": "-1"}, ["batching.max_wait_ms", "-1.0"]),
         ("env", {"STREAMREC_TOPICS__OUTPUT_FORMAT": "avro"}, ["topics.output_format", "'avro'"]),
         ("env", {"STREAMREC_MODEL__DEVICE": "tpu"}, ["model.device", "'tpu'"]),
+        (
+            "env",
+            {"STREAMREC_MODEL__PREFILL_CALL_TOKENS": "-1"},
+            ["model.prefill_call_tokens", "-1"],
+        ),
         ("env", {"STREAMREC_CACHE__KV_DTYPE": "int8"}, ["cache.kv_dtype", "'int8'", "fp8_e4m3"]),
         ("flag", {"model.weight_dtype": "fp4"}, ["model.weight_dtype", "'fp4'", "fp8"]),
         ("env", {"STREAMREC_LOG__LEVEL": "LOUD"}, ["log.level", "'LOUD'"]),

@@ -12,10 +12,11 @@ import torch
 from streamrec.errors import ConfigError, ModelError
 from streamrec.models.checkpoint import load_checkpoint
 from streamrec.models.hstu import HSTU
+from streamrec.pipeline.model_step import PREFILL_CALL_TOKENS
 from streamrec.pipeline.scoring_config import ScoringConfig
-from streamrec.worker.config import CacheConfig, ModelConfig
+from streamrec.worker.config import CacheConfig, ModelConfig, WorkerConfig
 from streamrec.worker.model_loader import load_model
-from streamrec.worker.serving_stack import build_catalog, build_tiers
+from streamrec.worker.serving_stack import build_catalog, build_tiers, engine_config
 from tests.models.aoti_fixtures import tiny_model_dir
 
 SCORING = ScoringConfig(top_k=4, num_candidates=8, exclude_recent=2)
@@ -28,6 +29,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _cfg(model_dir: Path, tmp_path: Path, **kw: object) -> ModelConfig:
     return ModelConfig(model_dir=model_dir, aoti_cache_dir=tmp_path / "none", device="cpu", **kw)
+
+
+@pytest.mark.parametrize(("configured", "want"), [(0, PREFILL_CALL_TOKENS), (65_536, 65_536)])
+def test_engine_config_takes_the_prefill_cut_from_the_model_section(
+    model_dir: Path, tmp_path: Path, configured: int, want: int
+) -> None:
+    model = _cfg(model_dir, tmp_path, prefill_call_tokens=configured)
+    loaded = load_model(model, SCORING)
+    engine = engine_config(WorkerConfig(model=model), loaded, SCORING)
+    assert engine.prefill_call_tokens == want
+    assert (engine.model_name, engine.model_version) == (
+        loaded.checkpoint.model_name, loaded.checkpoint.version,
+    )  # fmt: skip
+    assert engine.jagged_prefill == loaded.jagged_prefill
 
 
 def test_embedding_cache_keeps_the_item_table_on_the_host(model_dir: Path, tmp_path: Path) -> None:
