@@ -103,7 +103,9 @@ DECODE_PREFETCH = False
 # takes its own launch, 16-key tiles, 1,024 programs, 3 stages: the fastest of nine at
 # batch 64 and 256 (0.0774 / 0.2320 ms against 0.0943 / 0.2657 at the bf16 launch).
 DECODE_STAGES = 1
-DECODE_FP8_LAUNCH = (16, 1024, 3)  # (BLOCK_N, TARGET_PROGRAMS, STAGES)
+# (BLOCK_N, TARGET_PROGRAMS, STAGES) of the one-token body, per pool dtype
+DECODE_LAUNCH = (DECODE_BLOCK_N, TARGET_PROGRAMS, DECODE_STAGES)
+DECODE_FP8_LAUNCH = (16, 1024, 3)
 
 
 def triton_available() -> bool:
@@ -433,11 +435,7 @@ if triton is not None:
         ``block_m`` new tokens of one user runs over key tiles of ``chunk_n``, one token
         over tiles of ``block_n``; ``block_n``, ``target_programs`` and ``stages`` default
         by the pool's dtype. Returns [G, H, d] in q's dtype."""
-        default = (
-            (DECODE_BLOCK_N, TARGET_PROGRAMS, DECODE_STAGES)
-            if kv_scale is None
-            else DECODE_FP8_LAUNCH
-        )
+        default = DECODE_LAUNCH if kv_scale is None else DECODE_FP8_LAUNCH
         block_n = default[0] if block_n is None else block_n
         target_programs = default[1] if target_programs is None else target_programs
         stages = default[2] if stages is None else stages
