@@ -14,6 +14,7 @@ import os
 import platform
 import pstats
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -39,6 +40,20 @@ def _gpu_info() -> list[str]:
     if torch is None or not torch.cuda.is_available():
         return []
     return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def python_probe_ms(repeats: int = 5) -> float:
+    """Best of ``repeats`` timings of a fixed pure-Python workload (dicts, lists, a sort):
+    the same host path ran 2-4x apart on two GPU hosts and on this CPU machine from one
+    day to the next (BENCHMARKS.md, issue 13), so host-bound rows carry the host's speed."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        rows = [{"user": i, "score": i * 0.5, "items": [i, i + 1]} for i in range(50_000)]
+        rows.sort(key=lambda row: -row["score"])
+        sum(len(row["items"]) for row in rows)
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1e3, 2)
 
 
 def machine_info() -> dict[str, object]:

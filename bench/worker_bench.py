@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench._report import RESULTS_DIR, machine_info, print_table, write_results
+from bench._report import RESULTS_DIR, machine_info, print_table, python_probe_ms, write_results
 from bench.bench_plan import BLOCK_SIZE, Plan, geometry, kv_budget, make_plan, process_kv_budget
 from bench.engine_bench import SMALL, WORKLOADS, _preload
 from bench.event_producer import producer_process
@@ -444,7 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     meta["event_loop"] = ns.event_loop
     print_table([{k: r[k] for k in _TABLE if k in r} for r in rows])
     host = machine_info()  # the same rows ran 2-4x apart on two host kinds (BENCHMARKS.md)
-    print(f"host: {host['platform']}, {host['cpu_model']}, {host['cpu_count']} cores")
+    meta["python_probe_ms"] = python_probe_ms()
+    print(
+        f"host: {host['platform']}, {host['cpu_model']}, {host['cpu_count']} cores, "
+        f"python probe {meta['python_probe_ms']} ms"
+    )
     if ns.host_ceiling:
         path = write_host_ceiling(rows, meta, ns)
     else:
