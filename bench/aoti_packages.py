@@ -17,6 +17,7 @@ HSTU-3L gets ``extend`` and ``rank`` (only the speedup section uses it).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
@@ -60,9 +61,16 @@ def reference_model_dir(w: ReferenceWorkload, root: Path = MODELS_DIR) -> Path:
     # the ids the worker bench streams (i0, i1, …), known to the vocabulary
     names = (f"i{n}" for n in range(cfg.num_items - 1 - cfg.num_oov_buckets))
     vocab = ItemVocabulary(list(names), num_oov_buckets=cfg.num_oov_buckets)
-    tmp = root / f".tmp-{w.name}"
+    # Worker processes of one bench may build it at once (a fresh machine with carried
+    # packages): each saves under its own name, the first rename wins, the rest discard.
+    tmp = root / f".tmp-{w.name}-{os.getpid()}"
     save_checkpoint(tmp, model, vocab, {"model_name": w.name})
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except OSError:
+        if not (path / META).is_file():
+            raise
+        shutil.rmtree(tmp)
     del model
     torch.cuda.empty_cache()
     return path

@@ -28,8 +28,10 @@ from streamrec.pipeline.serving_model import ServingModel
 from streamrec.pipeline.step_generation import StepGeneration
 
 # The most tokens one jagged prefill call takes by default (its activations grow with
-# them; ``model.prefill_call_tokens`` sets it per worker).
-PREFILL_CALL_TOKENS = 32_768
+# them; ``model.prefill_call_tokens`` sets it per worker). 65,536 against 32,768: warm-up
+# of 2,000 skewed users by three AOTI workers 2,124 against 1,876 users/s from the first
+# to the last completion (H100, 2026-12-06); model alone 1,902 against 1,777 (H200).
+PREFILL_CALL_TOKENS = 65_536
 
 IntArray = np.ndarray
 
@@ -277,7 +279,7 @@ class ModelStep:
         1,762 users/s, grouped 1,481); its calls are cut at ``prefill_call_tokens`` only
         so that a call's activations stay as small as the largest length class's were (one
         call of ~120k tokens per worker ran three H100 workers out of memory; the cut at
-        32,768 costs 12 % against one call, 65,536 costs 7 %: H200, BENCHMARKS.md).
+        65,536 costs 7 % against one call, 32,768 costs 12 %: H200, BENCHMARKS.md).
         """
         groups: dict[int, list[UserWork]] = {}
         chunk, chunk_tokens = 0, 0
