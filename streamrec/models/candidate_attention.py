@@ -63,6 +63,13 @@ CAND_BLOCK_M = 128
 CAND_BLOCK_N = 64
 CAND_WARPS = 8
 CAND_STAGES = 2
+# (BLOCK_M, BLOCK_N, warps, stages) per pool dtype. An FP8 pool takes 128-key tiles: its
+# tile is half the bytes, and 128 x 128 was the fastest FP8 launch of the bench in both
+# H100 runs (2026-12-06, batch 64 / 256: 0.2916 / 1.0931 ms against 0.3597 / 1.3532 at
+# bf16's launch, 1.23x; bf16 at 128 x 128: 0.2865 / 1.0983 against 0.2996 / 1.1526, 1.05x,
+# not yet timed on the H200, so bf16 keeps its launch).
+CAND_LAUNCH = (CAND_BLOCK_M, CAND_BLOCK_N, CAND_WARPS, CAND_STAGES)
+CAND_FP8_LAUNCH = (128, 128, 8, 2)
 # An FP8 pool's codes go to the tensor cores as fp16, the query (bf16, converted once per
 # tile) and the SiLU weights with them: e4m3 -> f16 is one instruction per two codes on
 # sm_90, e4m3 -> bf16 goes through f32 (sm_90a compile, 128x64x8x2: the key loop 614 ->
@@ -304,10 +311,10 @@ if triton is not None:
         time_bias: torch.Tensor,
         edges: torch.Tensor,
         divisor: int,
-        block_m: int = CAND_BLOCK_M,
-        block_n: int = CAND_BLOCK_N,
-        num_warps: int = CAND_WARPS,
-        num_stages: int = CAND_STAGES,
+        block_m: int | None = None,
+        block_n: int | None = None,
+        num_warps: int | None = None,
+        num_stages: int | None = None,
         target_programs: int = CAND_TARGET_PROGRAMS,
         fast: bool = True,
         kv_scale: torch.Tensor | None = None,
@@ -321,7 +328,14 @@ if triton is not None:
 
         q, k_self, v_self [B, C, H, d]; or, with ``columns`` (q, k, v starts), one packed
         projection [B, C, W] passed three times (``activate``: before its SiLU).
-        Returns [B, C, H, d] in q's dtype."""
+        Returns [B, C, H, d] in q's dtype. The launch defaults by the pool's dtype
+        (CAND_FP8_LAUNCH for FP8 codes under 16-bit queries, else CAND_LAUNCH)."""
+        fp8 = kv_scale is not None and q.dtype != torch.float32
+        default = CAND_FP8_LAUNCH if fp8 else CAND_LAUNCH
+        block_m = default[0] if block_m is None else block_m
+        block_n = default[1] if block_n is None else block_n
+        num_warps = default[2] if num_warps is None else num_warps
+        num_stages = default[3] if num_stages is None else num_stages
         num_heads, head_dim = k_cache.shape[-2:]
         if columns is None:
             q, k_self, v_self = (head_rows(t).flatten(-2) for t in (q, k_self, v_self))
