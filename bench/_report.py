@@ -13,8 +13,8 @@ import json
 import os
 import platform
 import pstats
+import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -42,19 +42,33 @@ def _gpu_info() -> list[str]:
     return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
 
+_PROBE = """
+import gc, time
+gc.disable()
+best = float("inf")
+for _ in range(REPEATS):
+    t0 = time.perf_counter()
+    rows = [(i, -i * 0.5, [i, i + 1]) for i in range(50_000)]
+    rows.sort(key=lambda row: row[1])
+    sum(len(items) for _, _, items in rows)
+    {user: score for user, score, _ in rows}
+    best = min(best, time.perf_counter() - t0)
+print(best * 1e3)
+"""
+
+
 def python_probe_ms(repeats: int = 5) -> float:
-    """Best of ``repeats`` timings of a fixed pure-Python workload (dicts, lists, a sort):
-    the same host path ran 2-4x apart on two GPU hosts and on this CPU machine from one
-    day to the next (BENCHMARKS.md, issue 13), so host-bound rows carry the host's speed."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        rows = [(i, -i * 0.5, [i, i + 1]) for i in range(50_000)]
-        rows.sort(key=lambda row: row[1])
-        sum(len(items) for _, _, items in rows)
-        {user: score for user, score, _ in rows}
-        best = min(best, time.perf_counter() - t0)
-    return round(best * 1e3, 2)
+    """Best of ``repeats`` timings of a fixed pure-Python workload (tuples, lists, a sort,
+    a dict) in a fresh interpreter: the same host path ran 2-4x apart on GPU hosts of one
+    kind and on the CPU machine from one day to the next (BENCHMARKS.md, issue 13), so
+    host-bound rows carry the host's speed. A fresh process, without the collector, so that
+    the bench's own threads and heap are not what it times (in the bench process after a
+    run: 104.9 ms on a GPU host that gave 28.9 before it)."""
+    script = _PROBE.replace("REPEATS", str(repeats))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    return round(float(done.stdout), 2)
 
 
 def machine_info() -> dict[str, object]:

@@ -17,9 +17,9 @@ HSTU-3L gets ``extend`` and ``rank`` (only the speedup section uses it).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -63,7 +63,8 @@ def reference_model_dir(w: ReferenceWorkload, root: Path = MODELS_DIR) -> Path:
     vocab = ItemVocabulary(list(names), num_oov_buckets=cfg.num_oov_buckets)
     # Worker processes of one bench may build it at once (a fresh machine with carried
     # packages): each saves under its own name, the first rename wins, the rest discard.
-    tmp = root / f".tmp-{w.name}-{os.getpid()}"
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{w.name}-", dir=root))
     save_checkpoint(tmp, model, vocab, {"model_name": w.name})
     try:
         tmp.rename(path)
