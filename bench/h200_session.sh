@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|pipelines|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|pipelines|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -141,6 +141,19 @@ for stage in "$@"; do
       bench_packages "$OUT/backlog/packages.log"
       three_workers "$OUT/backlog" --events 200000 --rates 5000 --seconds 5 --warm-wave 256 \
         | grep -E "^(throughput|latency) |^host:|Error" | tail -5 ;;
+    spy13)  # issue 13: where the three workers' threads spend a paced phase (py-spy over
+      # all processes, summed on the device by bench/spy_summary.py: the raw file is ~16 MB);
+      # rate SPY_RATE (default 5,000/s) for 15 s, packages as for e2p
+      mkdir -p "$OUT/spy13"
+      bench_packages "$OUT/spy13/packages.log"
+      python3 -c "from bench._report import python_probe_ms; print('python probe', python_probe_ms(), 'ms')"
+      timeout 330 /tmp/site/bin/py-spy record --subprocesses --format raw --threads --rate 97 \
+        -o /tmp/spy13.txt -- python3 -m bench.worker_bench --config hstu-8l --device cuda --aoti \
+        --users 2000 --events 60000 --rates "${SPY_RATE:-5000}" --seconds 15 --drain-s 8 \
+        --max-batch-users 256 --partitions 12 --warm-wave 256 --processes 3 \
+        --results-dir "$OUT/spy13" 2>&1 | grep -E "^(throughput|latency) |^host:|Error" | tail -4
+      python3 -m bench.spy_summary /tmp/spy13.txt --source "spy13 stage, rate ${SPY_RATE:-5000}/s" \
+        --out "$OUT/spy13/worker_profile.json" | head -40 ;;
     warmup)  # issue 14's warm-up target (>= 2,000 users/s): 2,000 skewed users in one wave
       # (the e2p stage's 256-user waves each wait for the last one's completions), 3 AOTI
       # workers under MPS; fifteenth session, H100: 1,082 users/s over the wall. Once per
