@@ -70,6 +70,15 @@ CAND_STAGES = 2
 # not yet timed on the H200, so bf16 keeps its launch).
 CAND_LAUNCH = (CAND_BLOCK_M, CAND_BLOCK_N, CAND_WARPS, CAND_STAGES)
 CAND_FP8_LAUNCH = (128, 128, 8, 2)
+# A small batch has few candidate tiles (2 per user at 256 candidates): half-height tiles
+# double the programs. In the H200 sweep of 2026-12-01 (bench/results/h200_kernel_sweep.json,
+# before the packed projection) 64x64x4x3 took 28.3 us at batch 1 against the default's
+# 51.0 (1.80x; Meta's Triton kernel 34.5) and 56.1 against 64.3 at batch 8 (1.15x), 0.3265
+# against 0.3013 ms at batch 64. Off until timed on today's kernel (the attention sweep of
+# the `decode` stage times both); an exported op (symbolic batch) keeps CAND_LAUNCH.
+CAND_SMALL_USERS = 8
+CAND_SMALL_LAUNCH = (64, 64, 4, 3)
+CAND_LAUNCH_BY_BATCH = False
 # An FP8 pool's codes go to the tensor cores as fp16, the query (bf16, converted once per
 # tile) and the SiLU weights with them: e4m3 -> f16 is one instruction per two codes on
 # sm_90, e4m3 -> bf16 goes through f32 (sm_90a compile, 128x64x8x2: the key loop 614 ->
@@ -328,10 +337,10 @@ if triton is not None:
 
         q, k_self, v_self [B, C, H, d]; or, with ``columns`` (q, k, v starts), one packed
         projection [B, C, W] passed three times (``activate``: before its SiLU).
-        Returns [B, C, H, d] in q's dtype. The launch defaults by the pool's dtype
-        (CAND_FP8_LAUNCH for FP8 codes under 16-bit queries, else CAND_LAUNCH)."""
+        Returns [B, C, H, d] in q's dtype. The launch defaults by the pool's dtype and
+        the batch (``default_launch``)."""
         fp8 = kv_scale is not None and q.dtype != torch.float32
-        default = CAND_FP8_LAUNCH if fp8 else CAND_LAUNCH
+        default = default_launch(q.shape[0], fp8, CAND_LAUNCH_BY_BATCH)
         block_m = default[0] if block_m is None else block_m
         block_n = default[1] if block_n is None else block_n
         num_warps = default[2] if num_warps is None else num_warps
@@ -398,6 +407,19 @@ if triton is not None:
             cached_lens, pos_bias, time_bias, edges, divisor, kv_scale=kv_scale,
             columns=(q_col, k_col, v_col), activate=activate,
         )  # fmt: skip
+
+
+def default_launch(
+    num_users: int | torch.SymInt, fp8: bool, by_batch: bool
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of the candidate kernel: FP8 codes under 16-bit
+    queries take CAND_FP8_LAUNCH; with ``by_batch``, a concrete batch of at most
+    CAND_SMALL_USERS users takes CAND_SMALL_LAUNCH; else CAND_LAUNCH."""
+    if fp8:
+        return CAND_FP8_LAUNCH
+    if by_batch and isinstance(num_users, int) and num_users <= CAND_SMALL_USERS:
+        return CAND_SMALL_LAUNCH
+    return CAND_LAUNCH
 
 
 def packed_rows(x: torch.Tensor) -> torch.Tensor:

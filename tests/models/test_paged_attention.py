@@ -375,6 +375,20 @@ def test_fast_silu_only_in_low_precision_launches() -> None:
         assert not fast_silu_allowed(True, fake.float())
 
 
+def test_default_candidate_launch_by_dtype_and_batch() -> None:
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from streamrec.models import candidate_attention as ca
+
+    assert ca.default_launch(1, fp8=False, by_batch=False) == ca.CAND_LAUNCH
+    assert ca.default_launch(1, fp8=True, by_batch=True) == ca.CAND_FP8_LAUNCH
+    small = ca.CAND_SMALL_USERS
+    assert ca.default_launch(small, fp8=False, by_batch=True) == ca.CAND_SMALL_LAUNCH
+    assert ca.default_launch(small + 1, fp8=False, by_batch=True) == ca.CAND_LAUNCH
+    symbolic = ShapeEnv().create_unbacked_symint()  # an exported op's batch
+    assert ca.default_launch(symbolic, fp8=False, by_batch=True) == ca.CAND_LAUNCH
+
+
 # ------------------------------------------------------------- GPU / interpreter
 
 
@@ -505,6 +519,22 @@ def test_candidate_launch_variants(monkeypatch: pytest.MonkeyPatch) -> None:
     ]:  # fmt: skip
         got = ca.launch_candidates(*args, block_m, block_n, warps, stages, target)
         assert rel_err(got.view_as(c.q), want) < FP32_TOL, (block_m, block_n, target)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_small_batch_candidate_launch(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CAND_LAUNCH_BY_BATCH: the op at CAND_SMALL_LAUNCH equals the reference (fp32) and
+    stays within bf16's tolerance on CUDA."""
+    from streamrec.models import candidate_attention as ca
+
+    device = kernel_device(monkeypatch)
+    monkeypatch.setattr(ca, "CAND_LAUNCH_BY_BATCH", True)
+    case = make_case(edge_lengths(batch, batch), 130, True, device, seed=40 + batch)
+    assert rel_err(case.fused(), case.reference()) < FP32_TOL
+    if device == "cuda":
+        low = case.to(torch.bfloat16)
+        assert rel_err(low.fused(), low.to(torch.float32).reference()) < BF16_TOL
 
 
 @pytest.mark.gpu
