@@ -66,8 +66,8 @@ CAND_STAGES = 2
 # (BLOCK_M, BLOCK_N, warps, stages) per pool dtype. An FP8 pool takes 128-key tiles: its
 # tile is half the bytes, and 128 x 128 was the fastest FP8 launch of the bench in both
 # H100 runs (2026-12-06, batch 64 / 256: 0.2916 / 1.0931 ms against 0.3597 / 1.3532 at
-# bf16's launch, 1.23x; bf16 at 128 x 128: 0.2865 / 1.0983 against 0.2996 / 1.1526, 1.05x,
-# not yet timed on the H200, so bf16 keeps its launch).
+# bf16's launch, 1.23x). bf16 gains 1.03-1.05x at 128 x 128 (three H100 runs; the H200
+# sweep of 2026-12-01 at batch 64: 1.03x): within run-to-run spread, so it keeps its launch.
 CAND_LAUNCH = (CAND_BLOCK_M, CAND_BLOCK_N, CAND_WARPS, CAND_STAGES)
 CAND_FP8_LAUNCH = (128, 128, 8, 2)
 # A small batch has few candidate tiles (2 per user at 256 candidates): half-height tiles
