@@ -15,6 +15,9 @@ if [ -d .whl ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+# the host's pure-Python speed before anything runs (host-bound rows differ 2x between
+# instances of one kind: BENCHMARKS.md, issue 13, sixteenth session)
+python3 -c "from bench._report import python_probe_ms; print('python probe', python_probe_ms(), 'ms')"
 bench_packages() {  # the HSTU-8L AOTI packages here: carried (.carry/bench-aoti.tgz) or built; log to $1
   [ ! -d .streamrec-cache/bench-aoti ] && [ -f .carry/bench-aoti.tgz ] && tar xzf .carry/bench-aoti.tgz
   [ -d .streamrec-cache/bench-aoti ] || python3 -m bench.aoti_packages --workloads HSTU-8L > "$1" 2>&1
@@ -146,7 +149,6 @@ for stage in "$@"; do
       # rate SPY_RATE (default 5,000/s) for 15 s, packages as for e2p
       mkdir -p "$OUT/spy13"
       bench_packages "$OUT/spy13/packages.log"
-      python3 -c "from bench._report import python_probe_ms; print('python probe', python_probe_ms(), 'ms')"
       timeout 330 /tmp/site/bin/py-spy record --subprocesses --format raw --threads --rate 97 \
         -o /tmp/spy13.txt -- python3 -m bench.worker_bench --config hstu-8l --device cuda --aoti \
         --users 2000 --events 60000 --rates "${SPY_RATE:-5000}" --seconds 15 --drain-s 8 \
