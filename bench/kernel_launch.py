@@ -4,7 +4,13 @@
 exactly the launches BENCHMARKS.md talks about and nothing else:
 
     ncu --set full -k regex:_candidate_kernel -c 1 python3 -m bench.kernel_launch --op rank
+    ncu --set full -k regex:_candidate_kernel -c 1 python3 -m bench.kernel_launch --op rank-packed
     ncu --set full -k regex:_decode -c 1 python3 -m bench.kernel_launch --op extend
+
+``rank-packed`` is the call ``HSTU.rank`` makes: q, k, v read from the columns of the
+layer's projection [B, C, 4·H·d] (u, v, q, k) with its SiLU applied on load; ``rank``
+passes three separate tensors, as the kernel rows of the benches do (the step's kernel
+ran 366 µs a call against the row's 296 at batch 64 on the H100, 2026-12-06).
 
 Each launch uses the op's default launch shape (``streamrec.models.paged_attention`` and
 ``candidate_attention``) on the kernel sweep's one-layer model (``bench/attention_sweep``).
@@ -24,7 +30,7 @@ from streamrec.models import paged_attention as pa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", choices=["rank", "extend"], required=True)
+    parser.add_argument("--op", choices=["rank", "rank-packed", "extend"], required=True)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=1, help="per user (extend)")
     parser.add_argument("--launches", type=int, default=3)
@@ -41,6 +47,14 @@ def main(argv: list[str] | None = None) -> int:
                 ca.launch_candidates(
                     q, k, v, d.lens, d.ts, lay.k_cache, lay.v_cache, *lay.tail, lay.n
                 )
+        elif args.op == "rank-packed":
+            width = lay.heads * lay.head_dim
+            uvqk = lay.randn(args.batch, HSTU_8L.num_candidates, 4 * width)  # [B, C, 4*H*d]
+            for _ in range(args.launches):
+                ca.launch_candidates(
+                    uvqk, uvqk, uvqk, d.lens, d.ts, lay.k_cache, lay.v_cache, *lay.tail,
+                    lay.n, columns=(2 * width, 3 * width, width), activate=True,
+                )  # fmt: skip
         else:
             x = extend_inputs(lay, args.new_tokens)
             for _ in range(args.launches):
