@@ -22,6 +22,12 @@ bench_packages() {  # the HSTU-8L AOTI packages here: carried (.carry/bench-aoti
   [ ! -d .streamrec-cache/bench-aoti ] && [ -f .carry/bench-aoti.tgz ] && tar xzf .carry/bench-aoti.tgz
   [ -d .streamrec-cache/bench-aoti ] || python3 -m bench.aoti_packages --workloads HSTU-8L > "$1" 2>&1
 }
+share_packages() {  # $1: a before tree whose model code (aoti_export.MODEL_CODE) is this
+  # tree's: it gets this tree's packages (the package key hashes that code, so a mismatch
+  # would only rebuild), not a second 80-150 s build
+  [ "$1" = . ] || [ -d "$1/.streamrec-cache/bench-aoti" ] || [ ! -d .streamrec-cache/bench-aoti ] \
+    || { mkdir -p "$1/.streamrec-cache" && cp -r .streamrec-cache/bench-aoti "$1/.streamrec-cache/"; }
+}
 three_workers() {  # worker_bench: HSTU-8L, AOTI, 2,000 users, three workers under MPS; $1 results dir
   local dir=$1; shift
   timeout 200 python3 -m bench.worker_bench --config hstu-8l --device cuda --aoti --users 2000 \
@@ -130,6 +136,7 @@ for stage in "$@"; do
       for tree in ${E2P_TREES:-after before}; do  # after first: its rows come back even if cut short
         dir=.; [ "$tree" = before ] && dir=.carry/before
         [ -d "$dir" ] || continue
+        share_packages "$dir"
         if [ ! -d "$dir/.streamrec-cache/bench-aoti" ]; then
           (cd "$dir" && python3 -m bench.aoti_packages --workloads HSTU-8L \
             > "$OUT/e2p/packages_$tree.log" 2>&1)
@@ -158,15 +165,22 @@ for stage in "$@"; do
         --out "$OUT/spy13/worker_profile.json" | head -40 ;;
     warmup)  # issue 14's warm-up target (>= 2,000 users/s): 2,000 skewed users in one wave
       # (the e2p stage's 256-user waves each wait for the last one's completions), 3 AOTI
-      # workers under MPS; fifteenth session, H100: 1,082 users/s over the wall. Once per
-      # prefill cut (model.prefill_call_tokens; 0 = the default 32,768), before/after in one call
+      # workers under MPS; sixteenth session, H100: 1,154 users/s over the wall. Once per
+      # prefill cut (model.prefill_call_tokens; 0 = the default, 65,536) and per tree
+      # (WARMUP_TREES: after, and before = .carry/before with this bench copied in)
       mkdir -p "$OUT/warmup"
       bench_packages "$OUT/warmup/packages.log"
-      for cut in ${WARMUP_CUTS:-0 65536}; do
-        echo "prefill_call_tokens=$cut"
-        three_workers "$OUT/warmup/cut$cut" --events 20000 --rates 2000 --seconds 3 \
-          --warm-wave 0 --prefill-call-tokens "$cut" \
-          | grep -E "^(warm|throughput|latency) |^host:|Error" | tail -5
+      out=$(cd "$OUT" && pwd)
+      for tree in ${WARMUP_TREES:-after}; do
+        dir=.; [ "$tree" = before ] && dir=.carry/before
+        [ -d "$dir" ] || continue
+        share_packages "$dir"
+        for cut in ${WARMUP_CUTS:-0}; do
+          echo "$tree prefill_call_tokens=$cut"
+          (cd "$dir" && three_workers "$out/warmup/$tree-cut$cut" --events 20000 --rates 2000 \
+            --seconds 3 --warm-wave 0 --prefill-call-tokens "$cut" \
+            | grep -E "^(warm|throughput|latency) |^host:|Error" | tail -5)
+        done
       done ;;
     worker|worker-eager|worker-aoti)  # (e): the whole worker with the dev broker here
       flags=""; [ "$stage" = worker-eager ] && flags="--no-cuda-graphs"

@@ -228,6 +228,36 @@ class Engine:
         self._stats.last_batch_seconds = time.perf_counter() - started
         return result
 
+    async def warm_up(self, max_seq_len: int, item_row: int) -> None:
+        """Before serving, on a GPU: one full-size prefill call on the engine's thread and
+        stream, so that the first batch of cache misses does not pay the first call's
+        costs (``ModelStep.warm_up_prefill``). A call the GPU cannot hold fails here, at
+        start, naming the knobs, not in the first batch of a rebalance."""
+        if self._stream is None:
+            return  # CPU: no lazy module loads, and a call of this size costs seconds
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        tokens = await loop.run_in_executor(self._executor, self._warm_up, max_seq_len, item_row)
+        if tokens:
+            log.info(
+                "prefill warmed up",
+                extra={"tokens": tokens, "seconds": round(time.perf_counter() - start, 3)},
+            )
+
+    def _warm_up(self, max_seq_len: int, item_row: int) -> int:
+        assert self._stream is not None
+        try:
+            with torch.inference_mode(), torch.cuda.stream(self._stream):
+                tokens = self.step.warm_up_prefill(max_seq_len, item_row)
+            self._stream.synchronize()
+        except torch.OutOfMemoryError as exc:
+            raise PipelineError(
+                f"a prefill call of {self.config.prefill_call_tokens} tokens does not fit "
+                "in the GPU memory the KV pool leaves: lower model.prefill_call_tokens or "
+                "the KV budget (cache.kv_budget_bytes / cache.kv_budget_fraction)"
+            ) from exc
+        return tokens
+
     async def drop(self, users: Collection[str]) -> None:
         """Forget users (their new owner rebuilds them). Call with no step in flight."""
         loop = asyncio.get_running_loop()

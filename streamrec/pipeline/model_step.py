@@ -267,6 +267,30 @@ class ModelStep:
         )  # [T]
         self.tiers.cache.write(slots, k, v, ts)
 
+    def warm_up_prefill(self, max_seq_len: int, item_row: int) -> int:
+        """One jagged prefill call of ``prefill_call_tokens`` synthetic tokens, outputs
+        dropped, cache untouched; returns the tokens (0: the prefill is not jagged).
+
+        Why: the first prefill of a process otherwise pays, inside the first batch of
+        cache misses, what only a first call pays: module loads of the package's kernels
+        (CUDA loads them lazily), the Triton kernels' compiles on the eager backend, and
+        the caching allocator's growth to a full call's activations on the engine's stream.
+        A call of the largest size leaves that memory reserved for the calls that follow.
+        """
+        if not self.jagged_prefill:
+            return 0
+        total = self.prefill_call_tokens
+        lengths = [max_seq_len] * (total // max_seq_len) + [total % max_seq_len]
+        empty = np.zeros(0, dtype=np.int64)
+        work = []
+        for i, n in enumerate(x for x in lengths if x):
+            tokens = np.zeros((n, 3), dtype=np.int64)  # [n, 3] (item_row, action, ts_ms)
+            tokens[:, 0] = item_row
+            tokens[:, 2] = 1_600_000_000_000 + 60_000 * np.arange(n)  # one a minute, 2020
+            work.append(UserWork(f"warm-up {i}", tokens, True, empty, n))
+        self.model.prefill(*self._jagged(work))
+        return total
+
     def _prefill(self, work: list[UserWork]) -> list[tuple[list[UserWork], torch.Tensor]]:
         """One prefill per group of similar history lengths (power-of-two classes), or one
         for all when the model's prefill is jagged: each group with its user embeddings

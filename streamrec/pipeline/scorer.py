@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from streamrec.cache.kv_cache import KVCache, to_device
+from streamrec.cache.kv_cache import KVCache, to_device, to_host
 from streamrec.errors import ConfigError
 from streamrec.pipeline.scoring_config import ScoringConfig
 from streamrec.pipeline.serving_model import ServingModel
@@ -81,13 +81,9 @@ class Scorer:
             ret_scores, ret_items, cand_slots = self.catalog.retrieve(user_emb, pool, exclude)
         mark("retrieve")
         if not cfg.num_candidates:
-            out = ScoredUsers(
-                items=ret_items.cpu().numpy(),
-                scores=ret_scores.float().cpu().numpy(),
-                task_scores=None,
-            )
+            items_h, scores_h = to_host(ret_items, ret_scores.float())
             mark("rank")
-            return out
+            return ScoredUsers(items=items_h, scores=scores_h, task_scores=None)
         tables, lens = self.cache.batch_tables(list(users))  # [B, MB], [B]
         ts = to_device(np.asarray(query_ts, dtype=np.int64), device)  # [B]
         cands = ret_items if self.catalog is None else cand_slots
@@ -99,8 +95,5 @@ class Scorer:
         items = torch.gather(ret_items, 1, order)
         task = torch.gather(probs, 1, order.unsqueeze(-1).expand(-1, -1, probs.shape[-1]))
         mark("rank")
-        return ScoredUsers(
-            items=items.cpu().numpy(),
-            scores=top_scores.cpu().numpy(),
-            task_scores=task.cpu().numpy(),
-        )
+        items_h, scores_h, task_h = to_host(items, top_scores, task)
+        return ScoredUsers(items=items_h, scores=scores_h, task_scores=task_h)

@@ -198,6 +198,7 @@ class App:
         vocab, config = loaded.checkpoint.vocab, engine_config(self.config, loaded, scoring)
         name, version = config.model_name, config.model_version
         self.engine = Engine(model, tiers, scoped, vocab, hstu.task_names, config, catalog, gen)
+        await self.engine.warm_up(hstu.max_seq_len, hstu.first_item_row)
         checkpoint = Checkpoint(
             self.config,
             tracker=self.tracker,
@@ -211,14 +212,9 @@ class App:
             fatal=self._fatal,
         )
         self.pipeline = ServingPipeline(
-            self.engine,
-            self.batcher,
-            self.tracker,
-            self.publisher,
-            self.metrics,
-            lambda: checkpoint.same_log(wait=True),
-            self._on_published,
-        )
+            self.engine, self.batcher, self.tracker, self.publisher, self.metrics,
+            lambda: checkpoint.same_log(wait=True), self._on_published,
+        )  # fmt: skip
         checkpoint.attach(self.engine, self.pipeline)
         self.checkpoint = checkpoint
         self.intake = Intake(

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from streamrec.cache.block_pool import NoRoom
-from streamrec.cache.kv_cache import KVCache, KVCacheConfig, free_memory_bytes
+from streamrec.cache.kv_cache import KVCache, KVCacheConfig, free_memory_bytes, to_host
 from streamrec.errors import CacheError, ConfigError
 
 CFG = KVCacheConfig(num_layers=2, num_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
@@ -118,3 +118,28 @@ def test_bf16_reference_geometry() -> None:
     cfg = KVCacheConfig(num_layers=8, num_heads=4, head_dim=128, block_size=16)
     assert cfg.bytes_per_token == 8 * 2 * 4 * 128 * 2 + 8
     assert np.isclose(cfg.bytes_per_block / 2**10, 256.125)
+
+
+def test_to_host_gives_the_values_of_every_tensor_in_order() -> None:
+    items = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    scores = torch.linspace(0, 1, 6).reshape(2, 3).t()  # not contiguous
+    got = to_host(items, scores)
+    assert [type(a) for a in got] == [np.ndarray, np.ndarray]
+    np.testing.assert_array_equal(got[0], items.numpy())
+    np.testing.assert_array_equal(got[1], scores.numpy())
+    assert to_host() == []
+
+
+@pytest.mark.gpu
+def test_to_host_waits_for_the_kernels_behind_the_copies() -> None:
+    """The copies queue behind the stream's work and one event waits for all: the values
+    are the finished kernels', in their dtypes and shapes, from non-contiguous views too."""
+    device = torch.device("cuda")
+    a = torch.randn(2048, 2048, device=device)
+    b = a @ a  # [2048, 2048] still running when the copies queue
+    top, idx = torch.topk(b, 5, dim=1)  # [2048, 5] each
+    got = to_host(idx, top.t(), b[:3, :7].half())
+    np.testing.assert_array_equal(got[0], idx.cpu().numpy())
+    np.testing.assert_array_equal(got[1], top.t().cpu().numpy())
+    assert got[1].shape == (5, 2048)
+    np.testing.assert_array_equal(got[2], b[:3, :7].half().cpu().numpy())

@@ -115,3 +115,26 @@ def test_jagged_prefill_rebuilds_every_length_class_in_one_call(
     for user, want in outputs[False].items():
         np.testing.assert_array_equal(outputs[True][user].items, want.items)
         np.testing.assert_allclose(outputs[True][user].scores, want.scores, rtol=1e-5, atol=1e-6)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(("jagged", "calls"), [(True, [3]), (False, [])])
+def test_prefill_warm_up_makes_one_full_call_and_leaves_the_cache_alone(
+    jagged: bool, calls: list[int]
+) -> None:
+    """The start-up warm-up is one jagged call of ``prefill_call_tokens`` tokens (users of
+    ``max_seq_len``, the rest in a last one), and no user enters the cache; a dense
+    prefill has no single largest call, so it is skipped."""
+    model = _CountingHSTU(CFG).eval()
+    geo = KVCacheConfig(CFG.num_layers, CFG.num_heads, CFG.head_dim, 4, torch.float32)
+    cache = KVCache(geo, 200, "cpu")
+    free = cache.pool.num_free
+    scoring = ScoringConfig(top_k=8, num_candidates=20, exclude_recent=3)
+    step = ModelStep(
+        model, KVTiers(cache, None, CFG.max_seq_len), Scorer(model, cache, scoring,
+        CFG.task_names), cache.device, jagged_prefill=jagged, prefill_call_tokens=150,
+    )  # fmt: skip
+    assert step.warm_up_prefill(CFG.max_seq_len, CFG.first_item_row) == (150 if jagged else 0)
+    assert model.prefill_users == calls  # 64 + 64 + 22 tokens
+    assert cache.pool.num_free == free
+    assert len(cache.pool) == 0
