@@ -162,10 +162,10 @@ def _prefill_rows(layer: Layer, batch: int, history: int, iters: int) -> list[di
     return rows
 
 
-def skewed_rows(layer: Layer, batch: int, iters: int) -> list[dict[str, object]]:
-    """The default launch on the warm-up's length mix, time bias from timestamps and -thr
-    (the kernel rows above give every user one length, so a length-dependent gain shows
-    only here). Timestamps increase within each user."""
+def skewed_batch(layer: Layer, batch: int) -> tuple[np.ndarray, tuple[torch.Tensor, ...]]:
+    """The warm-up's length mix: B users of the reference's log-normal lengths, timestamps
+    increasing within each user. Returns the lengths [B] and (q, k, v [T, H, d], ts [T],
+    offsets [B+1]) on the GPU."""
     lengths = HSTU_8L.history_lengths(batch, seed=batch)  # [B]
     bounds = np.concatenate([[0], np.cumsum(lengths)])
     gen = torch.Generator().manual_seed(batch)
@@ -173,7 +173,14 @@ def skewed_rows(layer: Layer, batch: int, iters: int) -> list[dict[str, object]]
     per_user = [BASE_TS + gaps[a:b].cumsum(0) for a, b in itertools.pairwise(bounds)]
     ts = torch.cat(per_user).cuda()  # [T], increasing within each user
     _, v, q, k = _qkv(int(bounds[-1]), layer, gen)
-    offsets = torch.from_numpy(bounds).cuda()
+    return lengths, (q, k, v, ts, torch.from_numpy(bounds).cuda())
+
+
+def skewed_rows(layer: Layer, batch: int, iters: int) -> list[dict[str, object]]:
+    """The default launch on the warm-up's length mix, time bias from timestamps and -thr
+    (the kernel rows above give every user one length, so a length-dependent gain shows
+    only here)."""
+    lengths, (q, k, v, ts, offsets) = skewed_batch(layer, batch)
     first = slice(0, int(lengths[0]))
     ref = pfa.jagged_silu_attention_reference(
         q[first].float(), k[first].float(), v[first].float(), ts[first], offsets[:2],

@@ -55,8 +55,8 @@ for stage in "$@"; do
       cp "$OUT/h200.json" bench/results/h200_attention_sweep.json
       python3 -m bench.peer_attention --out "$OUT" 2>&1 | tail -16 ;;
     ncu)  # Nsight Compute counters of one launch of each fused kernel (batch 64)
-      for op in rank rank-packed extend; do
-        ncu --set full -k regex:"_candidate_kernel|_decode" -c 1 \
+      for op in ${NCU_OPS:-rank rank-packed extend prefill}; do
+        ncu --set full -k regex:"_candidate_kernel|_decode|_prefill_kernel" -c 1 \
           python3 -m bench.kernel_launch --op "$op" > "$OUT/ncu_$op.txt" 2>&1
         grep -E "^  [a-z_]+kernel|Duration|Throughput|Registers Per|Occupancy|Block Limit|Warp Cycles|Issued Ipc|Est\. (Local )?Speedup|stall|Stall|spill" "$OUT/ncu_$op.txt" | head -45
       done ;;

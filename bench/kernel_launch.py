@@ -6,14 +6,21 @@ exactly the launches BENCHMARKS.md talks about and nothing else:
     ncu --set full -k regex:_candidate_kernel -c 1 python3 -m bench.kernel_launch --op rank
     ncu --set full -k regex:_candidate_kernel -c 1 python3 -m bench.kernel_launch --op rank-packed
     ncu --set full -k regex:_decode -c 1 python3 -m bench.kernel_launch --op extend
+    ncu --set full -k regex:_prefill_kernel -c 1 python3 -m bench.kernel_launch --op prefill
 
 ``rank-packed`` is the call ``HSTU.rank`` makes: q, k, v read from the columns of the
 layer's projection [B, C, 4·H·d] (u, v, q, k) with its SiLU applied on load; ``rank``
 passes three separate tensors, as the kernel rows of the benches do (the step's kernel
 ran 366 µs a call against the row's 296 at batch 64 on the H100, 2026-12-06).
 
-Each launch uses the op's default launch shape (``streamrec.models.paged_attention`` and
-``candidate_attention``) on the kernel sweep's one-layer model (``bench/attention_sweep``).
+``prefill`` is the jagged causal prefill of ``--batch`` users of the warm-up's skewed
+lengths (``HSTU_8L.history_lengths``, median 1,000), as the kernel sweep's
+``prefill-skewed`` rows (``bench/h200_prefill``): 43-67 TFLOP/s against issue 14's 300,
+with no counters read yet.
+
+Each launch uses the op's default launch shape (``streamrec.models.paged_attention``,
+``candidate_attention`` and ``prefill_kernels``) on the kernel sweep's one-layer model
+(``bench/attention_sweep``).
 """
 
 from __future__ import annotations
@@ -23,20 +30,26 @@ import argparse
 import torch
 
 from bench.attention_sweep import SweepLayer, extend_inputs, sweep_model
+from bench.h200_prefill import Layer, skewed_batch
 from bench.reference_config import HSTU_8L
 from streamrec.models import candidate_attention as ca
 from streamrec.models import paged_attention as pa
+from streamrec.models import prefill_kernels as pfk
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", choices=["rank", "rank-packed", "extend"], required=True)
+    parser.add_argument("--op", choices=["rank", "rank-packed", "extend", "prefill"], required=True)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=1, help="per user (extend)")
     parser.add_argument("--launches", type=int, default=3)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
+    if args.op == "prefill":
+        _prefill(args.batch, args.launches)
+        print(f"launched prefill x{args.launches} at batch {args.batch}")
+        return 0
     lay = SweepLayer(sweep_model(), args.batch)
     d = lay.data
     with torch.no_grad():
@@ -65,6 +78,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
     print(f"launched {args.op} x{args.launches} at batch {args.batch}")
     return 0
+
+
+def _prefill(batch: int, launches: int) -> None:
+    layer = Layer(0)
+    _, (q, k, v, ts, offsets) = skewed_batch(layer, batch)  # [T, H, d] x3, [T], [B+1]
+    # the op's launch (prefill_attention): the sorted users' mode first, the others' after
+    launch = pfk.PREFILL_THR_LAUNCH if pfk.PREFILL_THRESHOLDS else pfk.PREFILL_LAUNCHES[0]
+    with torch.no_grad():
+        for _ in range(launches):
+            pfk.launch_prefill(q, k, v, ts, offsets, layer.pos_bias, layer.time_bias,
+                               layer.edges, layer.n, *launch)  # fmt: skip
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
