@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|pipelines|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|pipelines|readback|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -163,6 +163,9 @@ for stage in "$@"; do
         --results-dir "$OUT/spy13" 2>&1 | grep -E "^(throughput|latency) |^host:|Error" | tail -4
       python3 -m bench.spy_summary /tmp/spy13.txt --source "spy13 stage, rate ${SPY_RATE:-5000}/s" \
         --out "$OUT/spy13/worker_profile.json" | head -40 ;;
+    readback)  # issue 13: the engine thread's wait for a step's results, three ways
+      # (bench/host_readback.py: wall, wake-up excess and CPU per step), ~20 s
+      python3 -m bench.host_readback --results-dir "$OUT/readback" 2>&1 | tail -12 ;;
     warmup)  # issue 14's warm-up target (>= 2,000 users/s): 2,000 skewed users in one wave
       # (the e2p stage's 256-user waves each wait for the last one's completions), 3 AOTI
       # workers under MPS; sixteenth session, H100: 1,154 users/s over the wall. Once per
