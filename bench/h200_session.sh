@@ -54,9 +54,10 @@ for stage in "$@"; do
       cp "$OUT/h200.json" "$OUT/h200_attention_sweep.json"
       cp "$OUT/h200.json" bench/results/h200_attention_sweep.json
       python3 -m bench.peer_attention --out "$OUT" 2>&1 | tail -16 ;;
-    ncu)  # Nsight Compute counters of one launch of each fused kernel (batch 64)
+    ncu)  # Nsight Compute counters of one launch of each fused kernel (batch 64), at the
+      # GPU's own clocks (ncu locks the base clock otherwise: 1.44 GHz on the H100)
       for op in ${NCU_OPS:-rank rank-packed extend prefill}; do
-        ncu --set full -k regex:"_candidate_kernel|_decode|_prefill_kernel" -c 1 \
+        ncu --set full --clock-control none -k regex:"_candidate_kernel|_decode|_prefill_kernel" -c 1 \
           python3 -m bench.kernel_launch --op "$op" > "$OUT/ncu_$op.txt" 2>&1
         grep -E "^  [a-z_]+kernel|Duration|Throughput|Registers Per|Occupancy|Block Limit|Warp Cycles|Issued Ipc|Est\. (Local )?Speedup|stall|Stall|spill" "$OUT/ncu_$op.txt" | head -45
       done ;;

@@ -15,8 +15,8 @@ ran 366 µs a call against the row's 296 at batch 64 on the H100, 2026-12-06).
 
 ``prefill`` is the jagged causal prefill of ``--batch`` users of the warm-up's skewed
 lengths (``HSTU_8L.history_lengths``, median 1,000), as the kernel sweep's
-``prefill-skewed`` rows (``bench/h200_prefill``): 43-67 TFLOP/s against issue 14's 300,
-with no counters read yet.
+``prefill-skewed`` rows (``bench/h200_prefill``): 43-67 TFLOP/s against issue 14's 300
+(its counters: BENCHMARKS.md, issue 14, seventeenth session).
 
 Each launch uses the op's default launch shape (``streamrec.models.paged_attention``,
 ``candidate_attention`` and ``prefill_kernels``) on the kernel sweep's one-layer model
