@@ -10,7 +10,8 @@
 - ``prefill-skewed`` (``skewed_rows``): the warm-up's mix, B users of the reference's
   log-normal lengths (median 1,000, capped at 4,096; ``history`` = the batch's median),
   the default launch with the time bias from timestamps and from key positions (-thr),
-  and -thr at 64x16x4x4.
+  -thr at 64x16x4x4, and -thr-tr (bucket ranges from thresholds) at 64x16x4x4 and
+  64x32x4x3.
 
 q, k, v are strided views of one ``[T, 4, H, d]`` buffer, as the layer's projection leaves
 them. Each row checks the first user against the fp32 torch reference. Runs inside
@@ -190,12 +191,18 @@ def skewed_rows(layer: Layer, batch: int, iters: int) -> list[dict[str, object]]
     median = int(np.median(lengths))
     rows = []
     default = pfk.PREFILL_LAUNCHES[0]
-    for launch, thresholds in [(default, False), (default, True), (THR_LAUNCHES[1], True)]:
+    # (launch, thresholds, tile_range): -tr takes a key tile's bucket range from the query
+    # tile's first and last rows of thresholds (PREFILL_TILE_RANGE, off until timed)
+    variants = [(default, False, False), (default, True, False), (THR_LAUNCHES[1], True, False),
+                (THR_LAUNCHES[1], True, True), (THR_LAUNCHES[2], True, True)]  # fmt: skip
+    for launch, thresholds, tile_range in variants:
         bm, bn, warps, stages = launch
         call = partial(pfk.launch_prefill, q, k, v, ts, offsets, layer.pos_bias,
                        layer.time_bias, layer.edges, layer.n, block_m=bm, block_n=bn,
-                       num_warps=warps, num_stages=stages, thresholds=thresholds)  # fmt: skip
+                       num_warps=warps, num_stages=stages, thresholds=thresholds,
+                       tile_range=tile_range)  # fmt: skip
         name = "x".join(map(str, launch)) + ("-thr" if thresholds else "")
+        name += "-tr" if tile_range else ""
         err = _rel_err(call()[first], ref)
         rows.append(_row("prefill-skewed", batch, median, "triton", name, _time(call, iters),
                          flops, err))  # fmt: skip

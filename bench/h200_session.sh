@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|pipelines|readback|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|pipelines|prefill-tr|readback|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -287,6 +287,19 @@ for r in rows:
     print(r['op'], r['batch'], r['history'], r['impl'], r['launch'], r['ms'], r['tflop_s'], r['rel_err_vs_fp32'])
 json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[1], 'w'), indent=1)
 " "$OUT/prefill_bucket.json" 2>&1 | grep -v "^W[0-9]" | tail -32 ;;
+    prefill-tr)  # seventeenth session: sorted users' key-tile bucket ranges from the query
+      # tile's thresholds (PREFILL_TILE_RANGE, off; 0.75x the key loop's SASS, exact on the
+      # interpreter): the bf16 gpu tests, then the skewed rows (-thr against -thr-tr), ~2 min
+      python3 -m pytest -q -s -m gpu tests/models/test_prefill_attention.py -k "prefill_bf16" \
+        -p no:cacheprovider 2>&1 | grep -E "rel err|op |passed|failed|Error" | tail -14
+      python3 -c "
+import json, sys, torch
+import bench.h200_prefill as hp
+rows = hp.skewed_rows(hp.Layer(seed=0), 64, 20)
+for r in rows:
+    print(r['op'], r['batch'], r['history'], r['impl'], r['launch'], r['ms'], r['tflop_s'], r['rel_err_vs_fp32'])
+json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[1], 'w'), indent=1)
+" "$OUT/prefill_tr.json" 2>&1 | grep -v "^W[0-9]" | tail -8 ;;
     pipelines)  # the three loops Triton pipelines since the fourteenth session (~5-6 min;
       # timed in the fifteenth: BENCHMARKS.md issue 14): the prefill's -thr rows, the decode
       # sweep with Triton's pipeline over the one-token loop (launches ending x0x2 / x0x3) at

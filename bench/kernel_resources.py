@@ -76,7 +76,8 @@ def _print_row(label: str, row: dict[str, object]) -> None:
 
 def compile_prefill(launch: tuple[int, ...], dtype: str = "bf16", heads: int = 4,
                     head_dim: int = 128,
-                    bucket_loop: int = pfk.PREFILL_BUCKET_LOOP, mode: int = 0) -> Any:  # fmt: skip
+                    bucket_loop: int = pfk.PREFILL_BUCKET_LOOP, mode: int = 0,
+                    tile_range: bool = pfk.PREFILL_TILE_RANGE) -> Any:  # fmt: skip
     """The prefill kernel at the HSTU reference shape (N = 4,096, 32 time buckets)."""
     block_m, block_n, warps, stages = launch
     fn = pfk._prefill_kernel
@@ -91,7 +92,7 @@ def compile_prefill(launch: tuple[int, ...], dtype: str = "bf16", heads: int = 4
         H=heads, D=head_dim, NUM_POS=4096, NUM_TIME=32, NUM_CELLS=pfk.NUM_CELLS,
         POS_PAD=pfk.POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n, USER_CHUNK=pfk.USER_CHUNK,
         IEEE=dtype == "fp32", FAST=dtype != "fp32", KV_FP8=False, BUCKET_LOOP=bucket_loop,
-        MODE=mode,
+        MODE=mode, TILE_RANGE=tile_range, NT_P2=32,
     )  # fmt: skip
     aligned = [*types, "stride_q", "stride_k", "stride_v"]  # as Triton specialises them
     return _compile(fn, signature, constants, aligned, {"num_warps": warps, "num_stages": stages})

@@ -68,6 +68,12 @@ PREFILL_BUCKET_LOOP = 4
 # (1.21x); history 1,000 1.636 against 1.530 (0.94x). The warm-up's mix decides: on.
 PREFILL_THRESHOLDS = True
 PREFILL_THR_LAUNCH = (64, 16, 4, 4)
+# Sorted users' key tiles take their bucket range from the thresholds of the query tile's
+# first and last rows (loaded once per program; two compares and sums per tile) instead of
+# the tile's timestamp range and the cell tables: sm_90a SASS shows the latter as ten
+# single-element asynchronous copies per key tile (BENCHMARKS.md issue 14, seventeenth
+# session). Exact (the same buckets, bit for bit on the interpreter); not timed: off.
+PREFILL_TILE_RANGE = False
 # (BLOCK_M, BLOCK_N, warps, stages) the kernel sweep times; the defaults above come first.
 PREFILL_LAUNCHES = (
     (PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES),
@@ -219,7 +225,7 @@ if triton is not None:
         D: tl.constexpr, NUM_CELLS: tl.constexpr, BLOCK_N: tl.constexpr,
         DIAGONAL: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr,
         KV_FP8: tl.constexpr, BUCKET_LOOP: tl.constexpr, thr_base, NUM_EDGES: tl.constexpr,
-        THRESHOLDS: tl.constexpr,
+        THRESHOLDS: tl.constexpr, thr_first, thr_last, TILE_RANGE: tl.constexpr,
     ):  # fmt: skip
         """acc + Σ_j silu(q·k_j/√d + rab) v_j over keys n0 … n0+BLOCK_N-1 (times N; with
         KV_FP8 k, v are codes and the scales are in ``half_scale`` and the caller's 1/N)."""
@@ -233,13 +239,18 @@ if triton is not None:
         s = _scores(q, k, IEEE)  # [BM, BN] fp32
         # i - j needs no clamp: the padded row covers the diagonal and the padding rows
         bias = tl.load(pos_row + (rows[:, None] - n0) - tl.arange(0, BLOCK_N)[None, :])
-        k_lo, k_hi = _ts_range(range_row, n0 // BLOCK_N, 1, n, BLOCK_N)
         if THRESHOLDS:  # the user's timestamps never decrease (time_bias_kernels.py)
-            b_lo, b_hi = bucket_range(q_lo, q_hi, k_lo, k_hi, cell_edge_ptr, cell_base_ptr,
-                                       NUM_CELLS)  # fmt: skip
+            if TILE_RANGE:  # from the thresholds of the query tile's first and last rows
+                b_lo = tl.sum((thr_first > n0 + BLOCK_N - 1).to(tl.int32), 0)
+                b_hi = tl.sum((thr_last > n0).to(tl.int32), 0)
+            else:
+                k_lo, k_hi = _ts_range(range_row, n0 // BLOCK_N, 1, n, BLOCK_N)
+                b_lo, b_hi = bucket_range(q_lo, q_hi, k_lo, k_hi, cell_edge_ptr,
+                                           cell_base_ptr, NUM_CELLS)  # fmt: skip
             bias = add_time_bias_sorted(bias, rows, cols, n, thr_base, b_lo, b_hi, tb_row,
                                         NUM_EDGES)  # fmt: skip
         else:
+            k_lo, k_hi = _ts_range(range_row, n0 // BLOCK_N, 1, n, BLOCK_N)
             bias = add_time_bias(bias, ts_q, ts_k, q_lo, q_hi, k_lo, k_hi, edges_ptr, tb_row,
                                   cell_edge_ptr, cell_base_ptr, NUM_CELLS, BUCKET_LOOP)  # fmt: skip
         w = _silu_half((s * half_scale).to(tl.float32) + bias, FAST)
@@ -284,6 +295,8 @@ if triton is not None:
         KV_FP8: tl.constexpr,
         BUCKET_LOOP: tl.constexpr,
         MODE: tl.constexpr,
+        TILE_RANGE: tl.constexpr,
+        NT_P2: tl.constexpr,
     ):
         """One query tile of one user x one head, causal over that user's keys. MODE 0:
         every user, the general time bias; 1: users whose timestamps never decrease, by
@@ -325,6 +338,18 @@ if triton is not None:
             pos_row = pos_ptr + h * (NUM_POS + 2 * POS_PAD) + POS_PAD
             tb_row = tb_ptr + h * NUM_TIME
             thr_base = thr_ptr + start * (NUM_TIME - 1)
+            # TILE_RANGE (MODE 1): a key tile's buckets from these two rows of thresholds,
+            # which grow with the row, instead of its timestamp range and the cell tables
+            edge = tl.arange(0, NT_P2)  # [E'] edge ids
+            if TILE_RANGE and MODE == 1:
+                emask = edge < NUM_TIME - 1
+                last = tl.minimum(m0 + BLOCK_M, n) - 1
+                thr_first = tl.load(thr_base + m0 * (NUM_TIME - 1) + edge, mask=emask, other=0)
+                thr_last = tl.load(thr_base + last * (NUM_TIME - 1) + edge, mask=emask,
+                                   other=0)  # fmt: skip
+            else:
+                thr_first = tl.zeros([NT_P2], dtype=tl.int32)
+                thr_last = thr_first
             if KV_FP8:  # the head's power-of-two scales: K into the scores, V into 1/N
                 s_half = (half_scale * tl.load(kv_scale_ptr + h)).to(tl.float32)
                 s_out = (inv_divisor * tl.load(kv_scale_ptr + H + h)).to(tl.float32)
@@ -337,14 +362,14 @@ if triton is not None:
                     acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
                     pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
                     s_half, D, NUM_CELLS, BLOCK_N, False, IEEE, FAST, KV_FP8, BUCKET_LOOP,
-                    thr_base, NUM_TIME - 1, MODE == 1,
+                    thr_base, NUM_TIME - 1, MODE == 1, thr_first, thr_last, TILE_RANGE,
                 )  # fmt: skip
             for n0 in range(m0, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the diagonal
                 acc = _prefill_tile(
                     acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
                     pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
                     s_half, D, NUM_CELLS, BLOCK_N, True, IEEE, FAST, KV_FP8, BUCKET_LOOP,
-                    thr_base, NUM_TIME - 1, MODE == 1,
+                    thr_base, NUM_TIME - 1, MODE == 1, thr_first, thr_last, TILE_RANGE,
                 )  # fmt: skip
             out = out_ptr + ((start + rows)[:, None] * H + h) * D + offs_d[None, :]
             acc = (acc * s_out).to(out_ptr.dtype.element_ty)  # the constant N, once
@@ -455,6 +480,7 @@ if triton is not None:
         kv_scale: torch.Tensor | None = None,
         bucket_loop: int = PREFILL_BUCKET_LOOP,
         thresholds: bool = PREFILL_THRESHOLDS,
+        tile_range: bool = PREFILL_TILE_RANGE,
     ) -> torch.Tensor:
         """The prefill kernel with an explicit launch shape (the op uses the defaults;
         bench/h200_bench.py sweeps them); FP8 k, v with ``kv_scale [2, H]``; with
@@ -491,7 +517,9 @@ if triton is not None:
                 NUM_CELLS=NUM_CELLS, POS_PAD=POS_PAD, BLOCK_M=block_m, BLOCK_N=block_n,
                 USER_CHUNK=USER_CHUNK, IEEE=q.dtype == torch.float32,
                 FAST=fast_silu_allowed(fast, q), KV_FP8=kv_scale is not None,
-                BUCKET_LOOP=bucket_loop, MODE=mode, num_warps=num_warps, num_stages=num_stages,
+                BUCKET_LOOP=bucket_loop, MODE=mode, TILE_RANGE=tile_range,
+                NT_P2=triton.next_power_of_2(time_bias.shape[0]), num_warps=num_warps,
+                num_stages=num_stages,
             )  # fmt: skip
         return out
 

@@ -142,9 +142,11 @@ def test_check_inputs() -> None:
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    ("block_m", "block_n", "strided", "bucket_loop", "thresholds"),
-    [(16, 16, False, 4, False), (32, 16, True, 0, False), (64, 32, False, 32, False),
-     (16, 16, False, 4, True), (32, 16, True, 4, True)],
+    ("block_m", "block_n", "strided", "bucket_loop", "thresholds", "tile_range"),
+    [(16, 16, False, 4, False, False), (32, 16, True, 0, False, False),
+     (64, 32, False, 32, False, False), (16, 16, False, 4, True, False),
+     (32, 16, True, 4, True, False), (16, 16, False, 4, True, True),
+     (32, 16, True, 4, True, True)],
 )  # fmt: skip
 def test_interpreter_prefill(
     interpreter_scalars: None,
@@ -153,14 +155,16 @@ def test_interpreter_prefill(
     strided: bool,
     bucket_loop: int,
     thresholds: bool,
+    tile_range: bool,
 ) -> None:
     """bucket_loop 0: every multi-bucket tile's buckets per element; 32: compares only;
     thresholds: users with sorted timestamps by key positions (the shuffled one and the
-    rest of the cases by timestamps, in the second launch)."""
+    rest of the cases by timestamps, in the second launch); tile_range: their key tiles'
+    bucket ranges from the query tile's first and last rows of thresholds."""
     lens = [0, 1, *(block_m + d for d in (-1, 0, 1)), 2 * block_m, 3, 150]
     case = make_jagged(lens, "cpu", seed=block_m, head_dim=16, strided=strided)
     got = case.prefill(block_m=block_m, block_n=block_n, num_warps=1, bucket_loop=bucket_loop,
-                       thresholds=thresholds)  # fmt: skip
+                       thresholds=thresholds, tile_range=tile_range)  # fmt: skip
     if thresholds:  # the same biases, so the same sums bit for bit
         general = case.prefill(block_m=block_m, block_n=block_n, num_warps=1)
         assert torch.equal(got, general)
@@ -208,23 +212,32 @@ def test_prefill_long_histories() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("thresholds", [False, True])
+@pytest.mark.parametrize(
+    ("thresholds", "tile_range"), [(False, False), (True, False), (True, True)]
+)
 @pytest.mark.parametrize("launch", pfa.PREFILL_LAUNCHES[:2])
-def test_prefill_bf16(launch: tuple[int, int, int, int], thresholds: bool) -> None:
+def test_prefill_bf16(
+    launch: tuple[int, int, int, int], thresholds: bool, tile_range: bool
+) -> None:
     """The first two launches in bf16, the time bias from timestamps and (users with
-    sorted timestamps) from key positions; the kernel sweep checks every other launch
-    shape against the fp32 reference (its rel_err_vs_fp32 column)."""
+    sorted timestamps) from key positions, their bucket ranges by timestamps or from
+    thresholds; the kernel sweep checks every other launch shape against the fp32
+    reference (its rel_err_vs_fp32 column)."""
     require_cuda()
     exact = make_jagged([*edge_lengths(16, 3), 1100], "cuda", seed=3, heads=4, head_dim=128)
     low = exact.to(torch.bfloat16)
     want = low.to(torch.float32).reference()  # fp32 math on the bf16-rounded inputs
     block_m, block_n, warps, stages = launch
     got = low.prefill(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                      thresholds=thresholds)  # fmt: skip
+                      thresholds=thresholds, tile_range=tile_range)  # fmt: skip
+    if tile_range:  # the same buckets as by timestamps, so the same sums bit for bit
+        by_ts = low.prefill(block_m=block_m, block_n=block_n, num_warps=warps,
+                            num_stages=stages, thresholds=True, tile_range=False)  # fmt: skip
+        assert torch.equal(got, by_ts)
     got_err = rel_err(got, want)
     torch_err = rel_err(low.reference(), want)
-    print(f"prefill bf16 {launch} thresholds={thresholds}: op {got_err:.2e}, "
-          f"torch bf16 path {torch_err:.2e}")  # fmt: skip
+    print(f"prefill bf16 {launch} thresholds={thresholds} tile_range={tile_range}: "
+          f"op {got_err:.2e}, torch bf16 path {torch_err:.2e}")  # fmt: skip
     assert got_err < BF16_TOL
     assert got_err <= 2 * torch_err + 1e-4
 
