@@ -34,13 +34,7 @@ BATCH, TOP_K, TASKS = 64, 64, 3
 
 
 def _spin1(*tensors: torch.Tensor) -> list[np.ndarray]:
-    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    for host, tensor in zip(hosts, tensors, strict=True):
-        host.copy_(tensor, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return [host.numpy() for host in hosts]
+    return to_host(*tensors, blocking=False)
 
 
 def _cpu3(*tensors: torch.Tensor) -> list[np.ndarray]:

@@ -34,7 +34,7 @@ from bench.h200_prefill import Layer, skewed_batch
 from bench.reference_config import HSTU_8L
 from streamrec.models import candidate_attention as ca
 from streamrec.models import paged_attention as pa
-from streamrec.models import prefill_kernels as pfk
+from streamrec.models import prefill_attention as pfa
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,12 +83,10 @@ def main(argv: list[str] | None = None) -> int:
 def _prefill(batch: int, launches: int) -> None:
     layer = Layer(0)
     _, (q, k, v, ts, offsets) = skewed_batch(layer, batch)  # [T, H, d] x3, [T], [B+1]
-    # the op's launch (prefill_attention): the sorted users' mode first, the others' after
-    launch = pfk.PREFILL_THR_LAUNCH if pfk.PREFILL_THRESHOLDS else pfk.PREFILL_LAUNCHES[0]
     with torch.no_grad():
-        for _ in range(launches):
-            pfk.launch_prefill(q, k, v, ts, offsets, layer.pos_bias, layer.time_bias,
-                               layer.edges, layer.n, *launch)  # fmt: skip
+        for _ in range(launches):  # the op itself: its launch, sorted users' mode first
+            pfa.fused_prefill_attention(q, k, v, ts, offsets, layer.pos_bias, layer.time_bias,
+                                        layer.edges, layer.n)  # fmt: skip
         torch.cuda.synchronize()
 
 

@@ -340,8 +340,8 @@ if triton is not None:
             thr_base = thr_ptr + start * (NUM_TIME - 1)
             # TILE_RANGE (MODE 1): a key tile's buckets from these two rows of thresholds,
             # which grow with the row, instead of its timestamp range and the cell tables
-            edge = tl.arange(0, NT_P2)  # [E'] edge ids
             if TILE_RANGE and MODE == 1:
+                edge = tl.arange(0, NT_P2)  # [E'] edge ids
                 emask = edge < NUM_TIME - 1
                 last = tl.minimum(m0 + BLOCK_M, n) - 1
                 thr_first = tl.load(thr_base + m0 * (NUM_TIME - 1) + edge, mask=emask, other=0)
