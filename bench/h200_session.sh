@@ -288,8 +288,8 @@ for r in rows:
 json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[1], 'w'), indent=1)
 " "$OUT/prefill_bucket.json" 2>&1 | grep -v "^W[0-9]" | tail -32 ;;
     prefill-tr)  # seventeenth session: sorted users' key-tile bucket ranges from the query
-      # tile's thresholds (PREFILL_TILE_RANGE, off; 0.75x the key loop's SASS, exact on the
-      # interpreter): the bf16 gpu tests, then the skewed rows (-thr against -thr-tr), ~2 min
+      # tile's thresholds (PREFILL_TILE_RANGE, on since the eighteenth: 1.12x on the H100,
+      # exact): the bf16 gpu tests, then the skewed rows (-thr against -thr-tr), ~1 min
       python3 -m pytest -q -s -m gpu tests/models/test_prefill_attention.py -k "prefill_bf16" \
         -p no:cacheprovider 2>&1 | grep -E "rel err|op |passed|failed|Error" | tail -14
       python3 -c "

@@ -74,11 +74,14 @@ CAND_FP8_LAUNCH = (128, 128, 8, 2)
 # double the programs. In the H200 sweep of 2026-12-01 (bench/results/h200_kernel_sweep.json,
 # before the packed projection) 64x64x4x3 took 28.3 us at batch 1 against the default's
 # 51.0 (1.80x; Meta's Triton kernel 34.5) and 56.1 against 64.3 at batch 8 (1.15x), 0.3265
-# against 0.3013 ms at batch 64. Off until timed on today's kernel (the attention sweep of
-# the `decode` stage times both); an exported op (symbolic batch) keeps CAND_LAUNCH.
+# against 0.3013 ms at batch 64. Timed on today's kernel (H100, `decode` stage of
+# 2026-12-06, bench/results/h100_attention_sweep_1206g.json): 29.9 against 51.9 us at
+# batch 1 (1.74x), 56.1 against 65.2 at batch 8 (1.16x), 0.3189 against 0.3078 ms at
+# batch 64 (0.97x: the default stays above 8 users). An exported op (symbolic batch)
+# keeps CAND_LAUNCH.
 CAND_SMALL_USERS = 8
 CAND_SMALL_LAUNCH = (64, 64, 4, 3)
-CAND_LAUNCH_BY_BATCH = False
+CAND_LAUNCH_BY_BATCH = True
 # An FP8 pool's codes go to the tensor cores as fp16, the query (bf16, converted once per
 # tile) and the SiLU weights with them: e4m3 -> f16 is one instruction per two codes on
 # sm_90, e4m3 -> bf16 goes through f32 (sm_90a compile, 128x64x8x2: the key loop 614 ->

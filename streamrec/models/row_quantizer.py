@@ -8,8 +8,11 @@ batch 64, more than the e4m3 GEMMs themselves (BENCHMARKS.md, issue 18). On CUDA
 launched eagerly, one Triton program per row does it in one pass; traced (torch.compile,
 AOTInductor) the PyTorch form is used, which Inductor fuses itself.
 
-Both forms compute the same codes: the amax is exact, and both divisions are IEEE
-round-to-nearest (``div_rn`` in the kernel), as in PyTorch; a token's codes depend on that
+Both forms compute the same scales and codes on every device: the amax is exact, the scale
+is ``amax * fp32(1/448)`` (one rounded product; PyTorch on CUDA turns a division by a
+Python scalar into that product and on the CPU does not, so a division would make the
+scales depend on the device), and the codes' division is IEEE round-to-nearest
+(``div_rn`` in the kernel) as PyTorch's tensor division; a token's codes depend on that
 token's row alone, so prefill and extend quantize it alike.
 """
 
@@ -30,12 +33,13 @@ except ImportError:  # pragma: no cover - exercised on the CPU CI machine
     libdevice = None
 
 TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row (instead of 0)
+INV_FP8_MAX = 1.0 / FP8_MAX  # rounded to fp32 alike by PyTorch and by a Triton fp32 argument
 
 
 def row_scale(x: torch.Tensor) -> torch.Tensor:
     """amax / 448 of each row of x [M, K], fp32 [M, 1] (tiny instead of 0 for zero rows)."""
     amax = x.abs().amax(dim=-1, keepdim=True).float()
-    return (amax / FP8_MAX).clamp(min=TINY)
+    return (amax * INV_FP8_MAX).clamp(min=TINY)
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +68,7 @@ if triton is not None:
 
     @triton.jit
     def _quantize_rows_kernel(
-        x_ptr, codes_ptr, scale_ptr, num_cols, stride_x, tiny, BLOCK_K: tl.constexpr
+        x_ptr, codes_ptr, scale_ptr, num_cols, stride_x, tiny, inv_max, BLOCK_K: tl.constexpr
     ):
         """Row ``program_id(0)``: its amax, scale and codes in one pass over the row."""
         row = tl.program_id(0).to(tl.int64)
@@ -72,7 +76,7 @@ if triton is not None:
         mask = offs < num_cols
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.maximum(tl.div_rn(amax, 448.0), tl.cast(tiny, tl.float32))  # IEEE, as torch
+        scale = tl.maximum(amax * inv_max, tl.cast(tiny, tl.float32))  # as row_scale
         codes = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0)
         tl.store(codes_ptr + row * num_cols + offs, codes.to(tl.float8e4nv), mask=mask)
         tl.store(scale_ptr + row, scale)
@@ -86,7 +90,7 @@ if triton is not None:
         if rows:
             block = triton.next_power_of_2(cols)
             _quantize_rows_kernel[(rows,)](
-                x, codes, scale, cols, x.stride(0), TINY, BLOCK_K=block,
+                x, codes, scale, cols, x.stride(0), TINY, INV_FP8_MAX, BLOCK_K=block,
                 num_warps=4 if block >= 1024 else 2,
             )  # fmt: skip
         return codes, scale
