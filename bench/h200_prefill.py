@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 from functools import partial
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -177,10 +178,12 @@ def skewed_batch(layer: Layer, batch: int) -> tuple[np.ndarray, tuple[torch.Tens
     return lengths, (q, k, v, ts, torch.from_numpy(bounds).cuda())
 
 
-def skewed_rows(layer: Layer, batch: int, iters: int) -> list[dict[str, object]]:
+def skewed_rows(layer: Layer, batch: int, iters: int,
+                kernels: ModuleType = pfk) -> list[dict[str, object]]:  # fmt: skip
     """The default launch on the warm-up's length mix, time bias from timestamps and -thr
     (the kernel rows above give every user one length, so a length-dependent gain shows
-    only here)."""
+    only here). ``kernels``: another copy of ``prefill_kernels`` (a tree before a change,
+    loaded from its file) for before/after rows in one process, impl "triton-before"."""
     lengths, (q, k, v, ts, offsets) = skewed_batch(layer, batch)
     first = slice(0, int(lengths[0]))
     ref = pfa.jagged_silu_attention_reference(
@@ -197,14 +200,15 @@ def skewed_rows(layer: Layer, batch: int, iters: int) -> list[dict[str, object]]
                 (THR_LAUNCHES[1], True, True), (THR_LAUNCHES[2], True, True)]  # fmt: skip
     for launch, thresholds, tile_range in variants:
         bm, bn, warps, stages = launch
-        call = partial(pfk.launch_prefill, q, k, v, ts, offsets, layer.pos_bias,
+        call = partial(kernels.launch_prefill, q, k, v, ts, offsets, layer.pos_bias,
                        layer.time_bias, layer.edges, layer.n, block_m=bm, block_n=bn,
                        num_warps=warps, num_stages=stages, thresholds=thresholds,
                        tile_range=tile_range)  # fmt: skip
         name = "x".join(map(str, launch)) + ("-thr" if thresholds else "")
         name += "-tr" if tile_range else ""
         err = _rel_err(call()[first], ref)
-        rows.append(_row("prefill-skewed", batch, median, "triton", name, _time(call, iters),
+        impl = "triton" if kernels is pfk else "triton-before"
+        rows.append(_row("prefill-skewed", batch, median, impl, name, _time(call, iters),
                          flops, err))  # fmt: skip
     return rows
 

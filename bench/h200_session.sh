@@ -289,13 +289,21 @@ json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[
 " "$OUT/prefill_bucket.json" 2>&1 | grep -v "^W[0-9]" | tail -32 ;;
     prefill-tr)  # seventeenth session: sorted users' key-tile bucket ranges from the query
       # tile's thresholds (PREFILL_TILE_RANGE, on since the eighteenth: 1.12x on the H100,
-      # exact): the bf16 gpu tests, then the skewed rows (-thr against -thr-tr), ~1 min
+      # exact): the bf16 gpu tests, then the skewed rows (-thr against -thr-tr), ~1 min;
+      # with .carry/prefill_kernels_before.py (an older prefill_kernels.py) its rows too,
+      # impl "triton-before", in the same process
       python3 -m pytest -q -s -m gpu tests/models/test_prefill_attention.py -k "prefill_bf16" \
         -p no:cacheprovider 2>&1 | grep -E "rel err|op |passed|failed|Error" | tail -14
       python3 -c "
-import json, sys, torch
+import importlib.util, json, os, sys, torch
 import bench.h200_prefill as hp
-rows = hp.skewed_rows(hp.Layer(seed=0), 64, 20)
+layer = hp.Layer(seed=0)
+rows = hp.skewed_rows(layer, 64, 20)
+if os.path.exists('.carry/prefill_kernels_before.py'):
+    spec = importlib.util.spec_from_file_location('pfk_before', '.carry/prefill_kernels_before.py')
+    before = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(before)
+    rows += hp.skewed_rows(layer, 64, 20, kernels=before)
 for r in rows:
     print(r['op'], r['batch'], r['history'], r['impl'], r['launch'], r['ms'], r['tflop_s'], r['rel_err_vs_fp32'])
 json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[1], 'w'), indent=1)

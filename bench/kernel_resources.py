@@ -31,7 +31,10 @@ bf16 and an FP8 pool at the sweep's launch shapes.
 
 Every row has ``async_copies``: the loads Triton's software pipeliner turned into
 asynchronous copies. 0 means every loop waits on each load in place (a loop without a
-``tl.dot``, or one whose body holds a bare nested loop, is left alone).
+``tl.dot``, or one whose body holds a bare nested loop, is left alone). And
+``wgmma_serialized``: ptxas's C7515 note, under which each tensor-core op of the kernel
+waits for the previous one to finish (the prefill kernel's sorted-user mode had it until
+the eighteenth session).
 """
 
 from __future__ import annotations
@@ -189,6 +192,14 @@ def resources(kernel: Any) -> dict[str, object]:
             [os.path.join(TOOLS, "nvdisasm"), "-c", cubin.name],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:  # ptxas -v says when it serializes wgmma
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        info = subprocess.run(
+            [os.path.join(TOOLS, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", ptx + ".cubin"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
     found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.S)
     regs, stack = (int(found.group(1)), int(found.group(2))) if found else (-1, -1)
     local_ops = sass.count("LDL") + sass.count("STL")
@@ -200,6 +211,10 @@ def resources(kernel: Any) -> dict[str, object]:
         "regs": regs, "stack_bytes": stack, "smem_kb": round(kernel.metadata.shared / 1024, 1),
         "key_loop_sass": _loop_lengths(sass)[:1], "local_ops": local_ops,
         "async_copies": async_copies,
+        # ptxas C7515: every wgmma of the kernel waits for the one before it (a non-wgmma
+        # instruction writes an accumulator inside a pipeline stage, e.g. a loop's
+        # zero-trip path copying the initial zeros)
+        "wgmma_serialized": "C7515" in info.stdout + info.stderr,
     }  # fmt: skip
 
 

@@ -358,7 +358,18 @@ if triton is not None:
             else:  # (Inductor passes Python floats as fp64: one fp32 cast, not per tile)
                 s_half = tl.cast(half_scale, tl.float32)
                 s_out = tl.cast(inv_divisor, tl.float32)
+            # The first diagonal tile (every active tile has one) before the loops: the
+            # accumulator is then always written by a tensor-core op. With a loop first,
+            # its zero-trip path copied the initial zeros into the accumulator registers,
+            # and for that ptxas serialized every wgmma of the kernel (C7515: each of the
+            # key loop's eight q·kᵀ steps waited for the one before; sorted-user mode).
             acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+            acc = _prefill_tile(
+                acc, q, rows, ts_q, q_lo, q_hi, m0, n, k_base, v_base, ts_base, range_row,
+                pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
+                s_half, D, NUM_CELLS, BLOCK_N, True, IEEE, FAST, KV_FP8, BUCKET_LOOP,
+                thr_base, NUM_TIME - 1, MODE == 1, thr_first, thr_last, TILE_RANGE,
+            )  # fmt: skip
             for n0 in range(0, m0, BLOCK_N):  # below the diagonal: no mask
                 acc = _prefill_tile(
                     acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
@@ -366,7 +377,7 @@ if triton is not None:
                     s_half, D, NUM_CELLS, BLOCK_N, False, IEEE, FAST, KV_FP8, BUCKET_LOOP,
                     thr_base, NUM_TIME - 1, MODE == 1, thr_first, thr_last, TILE_RANGE,
                 )  # fmt: skip
-            for n0 in range(m0, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the diagonal
+            for n0 in range(m0 + BLOCK_N, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the diagonal
                 acc = _prefill_tile(
                     acc, q, rows, ts_q, q_lo, q_hi, n0, n, k_base, v_base, ts_base, range_row,
                     pos_row, tb_row, edges_ptr, cell_edge_ptr, cell_base_ptr, stride_k, stride_v,
