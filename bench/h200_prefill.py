@@ -197,7 +197,8 @@ def skewed_rows(layer: Layer, batch: int, iters: int,
     # (launch, thresholds, tile_range): -tr takes a key tile's bucket range from the query
     # tile's first and last rows of thresholds (PREFILL_TILE_RANGE, on since timed: 1.12x)
     variants = [(default, False, False), (default, True, False), (THR_LAUNCHES[1], True, False),
-                (THR_LAUNCHES[1], True, True), (THR_LAUNCHES[2], True, True)]  # fmt: skip
+                (THR_LAUNCHES[1], True, True), (THR_LAUNCHES[2], True, True),
+                (default, True, True)]  # fmt: skip
     for launch, thresholds, tile_range in variants:
         bm, bn, warps, stages = launch
         call = partial(kernels.launch_prefill, q, k, v, ts, offsets, layer.pos_bias,

@@ -307,7 +307,7 @@ if os.path.exists('.carry/prefill_kernels_before.py'):
 for r in rows:
     print(r['op'], r['batch'], r['history'], r['impl'], r['launch'], r['ms'], r['tflop_s'], r['rel_err_vs_fp32'])
 json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[1], 'w'), indent=1)
-" "$OUT/prefill_tr.json" 2>&1 | grep -v "^W[0-9]" | tail -8 ;;
+" "$OUT/prefill_tr.json" 2>&1 | grep -v "^W[0-9]" | tail -14 ;;
     pipelines)  # the three loops Triton pipelines since the fourteenth session (~5-6 min;
       # timed in the fifteenth: BENCHMARKS.md issue 14): the prefill's -thr rows, the decode
       # sweep with Triton's pipeline over the one-token loop (launches ending x0x2 / x0x3) at
