@@ -194,19 +194,30 @@ def skewed_rows(layer: Layer, batch: int, iters: int,
     median = int(np.median(lengths))
     rows = []
     default = pfk.PREFILL_LAUNCHES[0]
-    # (launch, thresholds, tile_range): -tr takes a key tile's bucket range from the query
-    # tile's first and last rows of thresholds (PREFILL_TILE_RANGE, on since timed: 1.12x)
-    variants = [(default, False, False), (default, True, False), (THR_LAUNCHES[1], True, False),
-                (THR_LAUNCHES[1], True, True), (THR_LAUNCHES[2], True, True),
-                (default, True, True)]  # fmt: skip
-    for launch, thresholds, tile_range in variants:
+    # (launch, thresholds, tile_range, register cap): -tr takes a key tile's bucket range
+    # from the query tile's first and last rows of thresholds (PREFILL_TILE_RANGE, on since
+    # timed: 1.12x); -r168 caps the registers at 168 (three 4-warp CTAs per SM instead of
+    # two; no spills in the sm_90a compile), in this tree only
+    thr = THR_LAUNCHES[1]
+    variants = [
+        (default, False, False, 0),
+        (default, True, False, 0),
+        (thr, True, False, 0),
+        (thr, True, True, 0),
+        (THR_LAUNCHES[2], True, True, 0),
+        (default, True, True, 0),
+    ]
+    if kernels is pfk:
+        variants += [(thr, True, True, 168), ((64, 16, 4, 3), True, True, 168)]
+    for launch, thresholds, tile_range, regs in variants:
         bm, bn, warps, stages = launch
+        cap = {"max_registers": regs} if regs else {}
         call = partial(kernels.launch_prefill, q, k, v, ts, offsets, layer.pos_bias,
                        layer.time_bias, layer.edges, layer.n, block_m=bm, block_n=bn,
                        num_warps=warps, num_stages=stages, thresholds=thresholds,
-                       tile_range=tile_range)  # fmt: skip
+                       tile_range=tile_range, **cap)  # fmt: skip
         name = "x".join(map(str, launch)) + ("-thr" if thresholds else "")
-        name += "-tr" if tile_range else ""
+        name += ("-tr" if tile_range else "") + (f"-r{regs}" if regs else "")
         err = _rel_err(call()[first], ref)
         impl = "triton" if kernels is pfk else "triton-before"
         rows.append(_row("prefill-skewed", batch, median, impl, name, _time(call, iters),

@@ -494,11 +494,14 @@ if triton is not None:
         bucket_loop: int = PREFILL_BUCKET_LOOP,
         thresholds: bool = PREFILL_THRESHOLDS,
         tile_range: bool = PREFILL_TILE_RANGE,
+        max_registers: int | None = None,
     ) -> torch.Tensor:
         """The prefill kernel with an explicit launch shape (the op uses the defaults;
         bench/h200_bench.py sweeps them); FP8 k, v with ``kv_scale [2, H]``; with
         ``thresholds`` users whose timestamps never decrease take the time bias from key
-        positions (``time_bias_kernels.py``). Returns [T, H, d] in q's dtype."""
+        positions (``time_bias_kernels.py``); ``max_registers`` caps ptxas's registers per
+        thread (Triton's ``maxnreg``; eager calls only: a traced launch takes no such
+        option) for more CTAs per SM. Returns [T, H, d] in q's dtype."""
         q, k, v = _heads_strided(q), _heads_strided(k), _heads_strided(v)
         ts, offsets = ts.contiguous(), offsets.contiguous()  # indexed as dense vectors
         _check_offsets(pos_bias.shape[0], q, k, v)
@@ -521,6 +524,7 @@ if triton is not None:
         if thresholds and edges.shape[0] > 0:
             thr, flags = bucket_thresholds(ts, offsets, edges, pos_bias.shape[0])
             modes = (1, 2)
+        cap = {} if max_registers is None else {"maxnreg": max_registers}
         for mode in modes:
             torch.library.wrap_triton(_prefill_kernel)[grid](
                 q, k, v, ts, offsets, ranges, *tables, edges,
@@ -532,7 +536,7 @@ if triton is not None:
                 FAST=fast_silu_allowed(fast, q), KV_FP8=kv_scale is not None,
                 BUCKET_LOOP=bucket_loop, MODE=mode, TILE_RANGE=tile_range,
                 NT_P2=triton.next_power_of_2(time_bias.shape[0]), num_warps=num_warps,
-                num_stages=num_stages,
+                num_stages=num_stages, **cap,
             )  # fmt: skip
         return out
 
