@@ -292,7 +292,7 @@ json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[
       # exact): the bf16 gpu tests, then the skewed rows (-thr against -thr-tr), ~1 min;
       # with .carry/prefill_kernels_before.py (an older prefill_kernels.py) its rows too,
       # impl "triton-before", in the same process
-      python3 -m pytest -q -s -m gpu tests/models/test_prefill_attention.py -k "prefill_bf16" \
+      python3 -m pytest -q -s -m gpu tests/models/test_prefill_attention.py -k "prefill_bf16 or register_cap" \
         -p no:cacheprovider 2>&1 | grep -E "rel err|op |passed|failed|Error" | tail -14
       python3 -c "
 import importlib.util, json, os, sys, torch

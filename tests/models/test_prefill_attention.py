@@ -25,6 +25,7 @@ import torch
 
 from streamrec.errors import ModelError
 from streamrec.models import prefill_attention as pfa
+from streamrec.models import prefill_kernels as pfk
 from streamrec.models.attention import (
     silu_attention,
 )
@@ -240,6 +241,19 @@ def test_prefill_bf16(
           f"op {got_err:.2e}, torch bf16 path {torch_err:.2e}")  # fmt: skip
     assert got_err < BF16_TOL
     assert got_err <= 2 * torch_err + 1e-4
+
+
+@pytest.mark.gpu
+def test_prefill_register_cap_changes_no_bit() -> None:
+    """``max_registers`` (Triton's maxnreg) changes register allocation, not arithmetic:
+    the op's sorted-user launch gives the same output bit for bit under a cap of 168."""
+    require_cuda()
+    case = make_jagged([*edge_lengths(16, 5), 1100], "cuda", seed=5, heads=4, head_dim=128)
+    low = case.to(torch.bfloat16)
+    block_m, block_n, warps, stages = pfk.PREFILL_THR_LAUNCH
+    launch = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
+                  thresholds=True)  # fmt: skip
+    assert torch.equal(low.prefill(**launch, max_registers=168), low.prefill(**launch))
 
 
 @pytest.mark.gpu
