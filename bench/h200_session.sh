@@ -45,9 +45,12 @@ for stage in "$@"; do
       cp "$OUT/h200.json" "$OUT/h200_kernel_sweep.json" ;;
     decode)  # issues 13/14: gpu tests of tests/models (less the two AOTI package compiles,
       # minutes each: stage tests has them), attention kernel sweep (before/after), the peer
+      # (430 of the stage's 553 s on the H100 of the eighteenth session: --durations says
+      # which tests, for a shorter stage; they found the row quantizer's scale defect)
       python3 -m pytest -q -s -m gpu tests/models -k "not equal_eager_on_cuda and not aoti_package" \
-        -p no:cacheprovider 2>&1 \
-        | tee "$OUT/gpu_tests_models.log" | grep -E "rel err|bf16|passed|failed|Error" | tail -30
+        -p no:cacheprovider --durations=12 2>&1 \
+        | tee "$OUT/gpu_tests_models.log" | grep -E "rel err|bf16|passed|failed|Error|^[0-9.]+s " \
+        | tail -42
       base=""; [ -f .carry/old_paged_attention.py ] && base="--baseline-kernels .carry/old_paged_attention.py"
       python3 -m bench.h200_bench --sections attention $base --out "$OUT" 2>&1 \
         | tee "$OUT/attention_sweep.log" | grep -E "^best|step_1layer|^kernel |^layer|^ceilings|^section|^wrote|Error" | tail -60
