@@ -95,6 +95,7 @@ MODEL_CODE = (
     "streamrec.models.config",
     "streamrec.models.fp8",
     "streamrec.models.fp8_linear",
+    "streamrec.models.row_quantizer",  # (fp8_linear's row scales: traced, its PyTorch form)
     "streamrec.schemas.events",
 )
 # Example sizes for tracing; distinct values >= 2 so no two dims are confused or pinned.
