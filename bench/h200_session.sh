@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|pipelines|prefill-tr|readback|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|pipelines|untimed18|prefill-tr|readback|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -290,6 +290,13 @@ for r in rows:
     print(r['op'], r['batch'], r['history'], r['impl'], r['launch'], r['ms'], r['tflop_s'], r['rel_err_vs_fp32'])
 json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[1], 'w'), indent=1)
 " "$OUT/prefill_bucket.json" 2>&1 | grep -v "^W[0-9]" | tail -32 ;;
+    untimed18)  # what the eighteenth session built without a GPU, in one call (~3 min; carry
+      # .carry/prefill_kernels_before.py = f808d8f's prefill_kernels.py): the row
+      # quantizer's scale fix (its gpu test), the prefill kernel's first diagonal tile first
+      # and register cap (prefill-tr: gpu tests, skewed rows before/after), the model alone
+      python3 -m pytest -q -m gpu tests/models/test_row_quantizer.py -p no:cacheprovider 2>&1 \
+        | tail -2
+      bash "$0" prefill-tr prefill-model ;;
     prefill-tr)  # seventeenth session: sorted users' key-tile bucket ranges from the query
       # tile's thresholds (PREFILL_TILE_RANGE, on since the eighteenth: 1.12x on the H100,
       # exact): the bf16 gpu tests, then the skewed rows (-thr against -thr-tr), ~1 min;
