@@ -10,17 +10,23 @@
 - ``prefill-skewed`` (``skewed_rows``): the warm-up's mix, B users of the reference's
   log-normal lengths (median 1,000, capped at 4,096; ``history`` = the batch's median),
   the default launch with the time bias from timestamps and from key positions (-thr),
-  -thr at 64x16x4x4, and -thr-tr (bucket ranges from thresholds) at 64x16x4x4 and
-  64x32x4x3.
+  -thr at 64x16x4x4, -thr-tr (bucket ranges from thresholds) at 64x16x4x4, 64x32x4x3
+  and the default launch, and -r168 (registers capped at 168) at 64x16x4x4 and 64x16x4x3.
 
 q, k, v are strided views of one ``[T, 4, H, d]`` buffer, as the layer's projection leaves
 them. Each row checks the first user against the fp32 torch reference. Runs inside
-``kernel`` or alone: ``python3 -m bench.h200_bench --sections prefill``.
+``kernel`` or alone: ``python3 -m bench.h200_bench --sections prefill``; the skewed rows
+alone, beside those of an older ``prefill_kernels.py`` (impl "triton-before"):
+``python3 -m bench.h200_prefill --out rows.json --before old_prefill_kernels.py``.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import itertools
+import json
+import os
 from functools import partial
 from types import ModuleType
 from typing import Any
@@ -207,6 +213,7 @@ def skewed_rows(layer: Layer, batch: int, iters: int,
         (THR_LAUNCHES[2], True, True, 0),
         (default, True, True, 0),
     ]
+    impl = "triton" if kernels is pfk else "triton-before"
     if kernels is pfk:
         variants += [(thr, True, True, 168), ((64, 16, 4, 3), True, True, 168)]
     for launch, thresholds, tile_range, regs in variants:
@@ -219,7 +226,6 @@ def skewed_rows(layer: Layer, batch: int, iters: int,
         name = "x".join(map(str, launch)) + ("-thr" if thresholds else "")
         name += ("-tr" if tile_range else "") + (f"-r{regs}" if regs else "")
         err = _rel_err(call()[first], ref)
-        impl = "triton" if kernels is pfk else "triton-before"
         rows.append(_row("prefill-skewed", batch, median, impl, name, _time(call, iters),
                          flops, err))  # fmt: skip
     return rows
@@ -277,3 +283,35 @@ def prefill_sweep(quick: bool, iters: int) -> list[dict[str, object]]:
               f"{row['ms']} ms, {row['tflop_s']} TFLOP/s, "
               f"rel err {row['rel_err_vs_fp32']}")  # fmt: skip
     return rows
+
+
+def _load_kernels(path: str) -> ModuleType:
+    """Another copy of ``prefill_kernels`` from its file (a tree before a change)."""
+    spec = importlib.util.spec_from_file_location("prefill_kernels_before", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--before {path!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="the prefill-skewed rows at batch 64")
+    parser.add_argument("--out", required=True, help="JSON file of the rows")
+    parser.add_argument("--before", help="an older prefill_kernels.py, timed beside this one")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args(argv)
+    layer = Layer(seed=0)
+    rows = skewed_rows(layer, 64, args.iters)
+    if args.before and os.path.exists(args.before):
+        rows += skewed_rows(layer, 64, args.iters, kernels=_load_kernels(args.before))
+    for r in rows:
+        print(r["op"], r["batch"], r["history"], r["impl"], r["launch"], r["ms"], r["tflop_s"],
+              r["rel_err_vs_fp32"])  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump({"rows": rows, "device": torch.cuda.get_device_name()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -304,20 +304,8 @@ json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[
       # impl "triton-before", in the same process
       python3 -m pytest -q -s -m gpu tests/models/test_prefill_attention.py -k "prefill_bf16 or register_cap" \
         -p no:cacheprovider 2>&1 | grep -E "rel err|op |passed|failed|Error" | tail -14
-      python3 -c "
-import importlib.util, json, os, sys, torch
-import bench.h200_prefill as hp
-layer = hp.Layer(seed=0)
-rows = hp.skewed_rows(layer, 64, 20)
-if os.path.exists('.carry/prefill_kernels_before.py'):
-    spec = importlib.util.spec_from_file_location('pfk_before', '.carry/prefill_kernels_before.py')
-    before = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(before)
-    rows += hp.skewed_rows(layer, 64, 20, kernels=before)
-for r in rows:
-    print(r['op'], r['batch'], r['history'], r['impl'], r['launch'], r['ms'], r['tflop_s'], r['rel_err_vs_fp32'])
-json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[1], 'w'), indent=1)
-" "$OUT/prefill_tr.json" 2>&1 | grep -v "^W[0-9]" | tail -14 ;;
+      python3 -m bench.h200_prefill --out "$OUT/prefill_tr.json" \
+        --before .carry/prefill_kernels_before.py 2>&1 | grep -v "^W[0-9]" | tail -14 ;;
     pipelines)  # the three loops Triton pipelines since the fourteenth session (~5-6 min;
       # timed in the fifteenth: BENCHMARKS.md issue 14): the prefill's -thr rows, the decode
       # sweep with Triton's pipeline over the one-token loop (launches ending x0x2 / x0x3) at
