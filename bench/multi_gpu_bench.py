@@ -71,7 +71,7 @@ from streamrec.errors import BrokerError
 from streamrec.models.checkpoint import META, save_checkpoint
 from streamrec.schemas.records import Recommendation
 from streamrec.tools.cli import render_toml
-from streamrec.tools.devbroker import DevBroker, free_port
+from streamrec.tools.devbroker import DevBroker, free_port_block
 from streamrec.tools.supervisor import ChildStart, parse_child_start
 from streamrec.worker import config as wc
 
@@ -355,22 +355,12 @@ def worker_config(
     )
 
 
-def _port_block(n: int) -> int:
-    """A port P with P .. P + n - 1 free (one per child)."""
-    for _ in range(100):
-        port = free_port()
-        with contextlib.suppress(BrokerError):
-            if port + n <= 65535 and all(free_port(port=port + i) for i in range(1, n)):
-                return port
-    raise BrokerError(f"no {n} consecutive free ports")
-
-
 async def run_count(
     n: int, broker: Any, w: ReferenceWorkload, ns: argparse.Namespace, plan: Plan
 ) -> list[Row]:
     """Every phase with ``n`` children, on topics and a group of its own."""
     budget, _ = kv_budget(w, plan, geometry(w, False))
-    port = _port_block(n)
+    port = free_port_block(n)
     config = worker_config(broker.bootstrap_servers, w, ns, budget, n, port)
     t, parts = config.topics, ns.partitions
     await broker.create_topics_async(

@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -64,6 +65,27 @@ def free_port(host: str = "127.0.0.1", port: int = 0) -> int:
             raise BrokerError(f"port {host}:{port} is not free: {exc.strerror}") from None
         chosen: int = sock.getsockname()[1]
         return chosen
+
+
+def free_port_block(count: int, host: str = "127.0.0.1") -> int:
+    """A port P with P … P + count - 1 free, below the kernel's ephemeral range.
+
+    Listeners started one after another (a supervisor's children on ``http.port + i``)
+    need ports that stay free until each binds. A block picked among the ephemeral ports
+    (what ``free_port()`` returns) does not: the first child's own outgoing connections
+    (broker, store) take local ports from that range, and one of them took the second
+    child's port in a CI run (``already in use``, crash loop).
+    """
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(10_000, max(10_001, low - count))
+        with contextlib.suppress(BrokerError):
+            if all(free_port(host, port + i) == port + i for i in range(count)):
+                return port
+    raise BrokerError(f"no {count} consecutive free ports on {host} below {low}")
 
 
 def _cluster_id(host: str, port: int, timeout_s: float) -> str | None:

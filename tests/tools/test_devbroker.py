@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +11,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from streamrec.errors import BrokerError
-from streamrec.tools.devbroker import DevBroker, free_port
+from streamrec.tools.devbroker import DevBroker, free_port, free_port_block
 
 pytestmark = pytest.mark.broker
 
@@ -157,3 +158,18 @@ def test_port_taken_after_the_check_is_not_mistaken_for_ready(
     with pytest.raises(BrokerError, match="exited with code 0"):
         DevBroker(start_timeout_s=5.0).start()
     assert broker.running
+
+
+def test_free_port_block_is_free_and_below_the_ephemeral_range() -> None:
+    """The block's ports can all be bound, and none of them is a port the kernel hands
+    to outgoing connections (which took a supervisor child's port in CI)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    port = free_port_block(3)
+    assert port >= 10_000 and port + 2 < low
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(3)]
+    try:
+        for i, sock in enumerate(socks):
+            sock.bind(("127.0.0.1", port + i))  # raises if taken
+    finally:
+        for sock in socks:
+            sock.close()

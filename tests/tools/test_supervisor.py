@@ -13,7 +13,6 @@ themselves are checked above.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import os
 import signal
@@ -29,9 +28,9 @@ from pathlib import Path
 import pytest
 
 from streamrec.cache.history_backends import open_history_store
-from streamrec.errors import BrokerError, ConfigError, SupervisorError
+from streamrec.errors import ConfigError, SupervisorError
 from streamrec.tools.cli import main, render_toml
-from streamrec.tools.devbroker import free_port
+from streamrec.tools.devbroker import free_port_block
 from streamrec.tools.supervisor import (
     ChildSpec,
     ChildStart,
@@ -359,16 +358,6 @@ async def _erase(url: str) -> None:
     await store.close()
 
 
-def _port_pair() -> int:
-    """A port P with P + 1 free too (the second child's)."""
-    for _ in range(50):
-        port = free_port()
-        with contextlib.suppress(BrokerError):
-            if port < 65535 and free_port(port=port + 1) == port + 1:
-                return port
-    raise AssertionError("no two consecutive free ports")
-
-
 @dataclasses.dataclass
 class Supervised:
     proc: subprocess.Popen[bytes]
@@ -437,7 +426,7 @@ async def _split(ports: list[int], every: set[tuple[str, int]]) -> bool:
 def _config(broker, topics: Topics, model_dir: Path, store_url: str) -> WorkerConfig:
     group = f"g-{uuid.uuid4().hex[:8]}"
     config = worker_config(broker.bootstrap_servers, topics, group, model_dir, store_url)
-    return dataclasses.replace(config, http=HttpConfig(host="127.0.0.1", port=_port_pair()))
+    return dataclasses.replace(config, http=HttpConfig(host="127.0.0.1", port=free_port_block(2)))
 
 
 async def _all_committed(bootstrap: str, group: str, topics: Topics) -> None:
