@@ -75,7 +75,7 @@ DECODE_LAUNCHES = [
 # (block_m, block_n, warps, stages, target programs)
 RANK_LAUNCHES = [
     (ca.CAND_BLOCK_M, ca.CAND_BLOCK_N, ca.CAND_WARPS, ca.CAND_STAGES, ca.CAND_TARGET_PROGRAMS),
-    (128, 128, 8, 2, 256),
+    (128, 128, 8, 2, 256), (128, 64, 8, 2, 256),
 ]  # fmt: skip
 
 

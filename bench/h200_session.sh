@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|pipelines|untimed18|prefill-tr|readback|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|pipelines|cand19|untimed18|prefill-tr|readback|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -290,6 +290,20 @@ for r in rows:
     print(r['op'], r['batch'], r['history'], r['impl'], r['launch'], r['ms'], r['tflop_s'], r['rel_err_vs_fp32'])
 json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[1], 'w'), indent=1)
 " "$OUT/prefill_bucket.json" 2>&1 | grep -v "^W[0-9]" | tail -32 ;;
+    cand19)  # nineteenth session: the candidate kernel's key loop 572 -> 327 SASS (shift and
+      # mask for the block, the bias row unmasked, 1/N once; sm_90a compile): its gpu tests,
+      # then fp8_bench's rank rows and whole step in the tree before (.carry/before, git
+      # archive of the previous HEAD) and this one, one process each, same instance (~4 min)
+      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/models/test_paged_attention.py \
+        tests/models/test_fp8_attention.py tests/models/test_hstu.py -k "cand or rank or bf16" 2>&1 \
+        | grep -E "rel err|passed|failed|Error" | tail -12
+      out=$(cd "$OUT" && pwd)
+      for tree in before after; do
+        dir=.; [ "$tree" = before ] && dir=.carry/before
+        [ -d "$dir" ] || continue
+        (cd "$dir" && timeout 150 python3 -m bench.fp8_bench --sections kernel step \
+          --out "$out/cand19_$tree.json" 2>&1 | grep -E "^rank|^step (bf16|fp8 kv) batch|speedup|^(rank|step) " | tail -16)
+      done ;;
     untimed18)  # what the eighteenth session built without a GPU, in one call (~3 min; carry
       # .carry/prefill_kernels_before.py = f808d8f's prefill_kernels.py): the row
       # quantizer's scale fix (its gpu test), the prefill kernel's first diagonal tile first

@@ -49,6 +49,7 @@ try:  # Triton ships with CUDA builds of torch only.
         dot_k_scale,
         dot_tile_kv,
         finish_tile,
+        silu_of_half,
         silu_over_n,
     )
 except ImportError:  # pragma: no cover - exercised on the CPU CI machine
@@ -59,15 +60,17 @@ OP_CANDIDATES = "streamrec::paged_silu_attention_candidates"
 # Launch shape (bench/h200_bench.py sweeps it): BLOCK_M candidates x BLOCK_N keys per
 # tile; no key split until fewer than CAND_TARGET_PROGRAMS programs would run.
 CAND_TARGET_PROGRAMS = 256
-CAND_BLOCK_M = 128
+# 64 x 64 tiles, 4 warps, 3 stages: the fastest launch at batch 1, 8 and 64 once the key
+# loop lost its per-key division, masked bias copies and two FMULs per score (572 -> 327
+# SASS at 128x64x8x2, 860 -> 518 at this launch; nineteenth session). H100, one run before
+# and after (bench/results/h100_rank_sweep_1206h_*.json): batch 64 0.2365 ms (290.8
+# TFLOP/s) against 0.2817 for 128x64x8x2 after the change and 0.3042 before it; batch 8
+# 45.7 against 62.7 us; batch 1 30.8 against 51.2 us. The third stage moves the block
+# table's loads off the loop's critical path (asynchronous copies, not a waited load).
+CAND_BLOCK_M = 64
 CAND_BLOCK_N = 64
-CAND_WARPS = 8
-CAND_STAGES = 2
-# (BLOCK_M, BLOCK_N, warps, stages) per pool dtype. An FP8 pool takes 128-key tiles: its
-# tile is half the bytes, and 128 x 128 was the fastest FP8 launch of the bench in both
-# H100 runs (2026-12-06, batch 64 / 256: 0.2916 / 1.0931 ms against 0.3597 / 1.3532 at
-# bf16's launch, 1.23x). bf16 gains 1.03-1.05x at 128 x 128 (three H100 runs; the H200
-# sweep of 2026-12-01 at batch 64: 1.03x): within run-to-run spread, so it keeps its launch.
+CAND_WARPS = 4
+CAND_STAGES = 3
 CAND_LAUNCH = (CAND_BLOCK_M, CAND_BLOCK_N, CAND_WARPS, CAND_STAGES)
 CAND_FP8_LAUNCH = (128, 128, 8, 2)
 # A small batch has few candidate tiles (2 per user at 256 candidates): half-height tiles
@@ -144,8 +147,8 @@ if triton is not None:
         NT_P2: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """rab of user b's query position/timestamp against BLOCK of its keys, all heads
-        (0 past the user's length)."""
+        """rab / 2 of user b's query position/timestamp against BLOCK of its keys, all
+        heads (0 past the user's length, up to the padded row's end ``span``)."""
         b = tl.program_id(0).to(tl.int64)
         keys = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
         kmask = keys < tl.load(lens_ptr + b)
@@ -161,7 +164,7 @@ if triton is not None:
         for h in tl.static_range(H):
             p = tl.load(pos_bias_ptr + rel * H + h, mask=kmask, other=0.0).to(tl.float32)
             t = tl.load(time_bias_ptr + bucket * H + h, mask=kmask, other=0.0).to(tl.float32)
-            tl.store(bias_ptr + (b * H + h) * span + keys, p + t, mask=keys < span)
+            tl.store(bias_ptr + (b * H + h) * span + keys, (p + t) * 0.5)  # (exact halving)
 
     @triton.jit
     def input_silu(x):
@@ -242,23 +245,28 @@ if triton is not None:
         table_row = tables_ptr + user * max_blocks
         bias_row = kbias_ptr + (user * H + h) * span
         k_scale = dot_k_scale(scale, kv_scale_ptr, h, KV_FP8)
+        half_k = (k_scale * 0.5).to(tl.float32)  # (exact: a power-of-two factor)
         qd = q  # [BM, D] the dots' query: codes convert to its dtype
         if FP16_DOTS:
             qd = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        # acc sums silu(s) v; the 1/N comes once at the end, and the bias row holds rab / 2,
+        # so FAST takes silu(s) = h + h tanh(h), h = s / 2, as one FFMA, one MUFU, one FFMA
+        # per score (two FMULs fewer; the same bits when N is a power of two)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         for start in range(k_start, k_end, BLOCK_N):
             _, k, v = dot_tile_kv(start, k_end, table_row, block_size, h, k_ptr, v_ptr,
                                   stride_kv_block, stride_kv_slot, qd, D, BLOCK_N,
-                                  KV_FP8)  # fmt: skip
+                                  KV_FP8, True)  # fmt: skip
             keys = start + tl.arange(0, BLOCK_N)  # [BN]
-            bias = tl.load(bias_row + keys, mask=keys < k_end, other=0.0)  # [BN] fp32
+            # (the rows are padded to KEY_BIAS_BLOCK keys with zeros: no mask, one
+            # vector copy per thread instead of a masked copy per key)
+            bias = tl.load(bias_row + keys)  # [BN] fp32 rab / 2
             if IEEE:  # noqa: SIM108 (Triton resolves a constexpr if, not a ternary)
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(qd, tl.trans(k))
-            s = (s * k_scale).to(tl.float32) + bias[None, :]  # [BM, BN]
-            w = silu_over_n(s, inv_divisor, FAST)  # masked keys: V rows are zero
-            if IEEE:
+            w = silu_of_half((s * half_k).to(tl.float32) + bias[None, :], FAST)  # [BM, BN]
+            if IEEE:  # (masked keys: V rows are zero)
                 acc += tl.dot(w, v.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(w.to(v.dtype), v)
@@ -278,7 +286,8 @@ if triton is not None:
                 tl.float32
             )
             s_own = (tl.sum(q.to(tl.float32) * k_own, 1) * scale).to(tl.float32) + bias0
-            acc += silu_over_n(s_own, inv_divisor, FAST)[:, None] * v_own
+            acc += silu_over_n(s_own, 1.0, FAST)[:, None] * v_own
+        acc = acc * inv_divisor  # the constant N, once
         out_rows = ((user * num_cands + cand) * H + h) * D  # [BM]
         finish_tile(acc, out_rows[:, None] + offs_d[None, :], cmask[:, None], out_ptr, ws_ptr,
                     ticket_ptr + pid * H + h, split, num_splits, ws_stride)  # fmt: skip
@@ -297,9 +306,11 @@ if triton is not None:
         """rab of each user's candidates against each of its keys: fp32 [B, H, S]."""
         num_users, max_blocks = block_tables.shape
         block_size = ts_pool.shape[1]
-        span = max_blocks * block_size
+        # rows padded to whole KEY_BIAS_BLOCKs (zeros past each user's keys), so that the
+        # candidate kernel's key tiles (<= KEY_BIAS_BLOCK keys) read them without a mask
+        span = (max_blocks * block_size + KEY_BIAS_BLOCK - 1) // KEY_BIAS_BLOCK * KEY_BIAS_BLOCK
         bias = torch.empty(num_users, num_heads, span, dtype=torch.float32, device=q_ts.device)
-        grid = (num_users, (span + KEY_BIAS_BLOCK - 1) // KEY_BIAS_BLOCK)
+        grid = (num_users, span // KEY_BIAS_BLOCK)
         torch.library.wrap_triton(_key_bias_kernel)[grid](
             q_pos, q_ts, ts_pool, block_tables, cached_lens, pos_bias, time_bias, edges, bias,
             max_blocks, block_size, span, H=num_heads, NUM_POS=pos_bias.shape[0],
@@ -371,7 +382,7 @@ if triton is not None:
         torch.library.wrap_triton(_candidate_kernel)[(tiles, num_heads, splits)](
             q, k_self, v_self, kbias, k_cache, v_cache, block_tables, cached_lens, pos_bias,
             time_bias, cached_lens if kv_scale is None else kv_scale, out, ws, tickets,
-            *columns, num_cands, m_tiles, max_blocks, block_size, span,
+            *columns, num_cands, m_tiles, max_blocks, block_size, kbias.shape[-1],
             per_split, q.stride(0), q.stride(1), k_self.stride(0), k_self.stride(1),
             k_cache.stride(0), k_cache.stride(1), outputs, 1.0 / math.sqrt(head_dim),
             1.0 / divisor, H=num_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -496,6 +507,12 @@ def fused_projection_candidates(
         )
     heads = qkv.narrow(-1, columns[0], width).unflatten(-1, (num_heads, head_dim))
     check_inputs(heads, kv_layer[0], kv_scale)
+    block_size = kv_layer.shape[2]  # (a traced size is the AOTI runtime's to check)
+    if isinstance(block_size, int) and block_size & (block_size - 1):
+        raise ModelError(
+            f"the candidate kernel needs a power-of-two pool block size, got {block_size} "
+            "(it finds a key's block and slot by a shift and a mask)"
+        )
     q_pos, q_ts, block_tables, cached_lens = dense(q_pos, q_ts, block_tables, cached_lens)
     return torch.ops.streamrec.paged_silu_attention_candidates(
         qkv, *columns, activate, q_pos, q_ts, kv_layer[0], kv_layer[1], ts_pool,

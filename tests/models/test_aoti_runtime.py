@@ -143,6 +143,12 @@ def test_inputs_are_validated_before_the_graph(compiled: AOTIModel, eager: HSTU)
     with pytest.raises(ModelError, match="max_seq_len=24"):
         n = 25
         compiled.prefill(*(t.repeat(9)[:n] for t in args[:3]), torch.tensor([0, n]))
+    pool3 = batch.kv[:, :, :, :3].contiguous()  # blocks of 3 slots
+    with pytest.raises(ModelError, match="block size 3 is not a power of two"):
+        compiled.rank(
+            torch.ones(2, 1, dtype=torch.int64), batch.lens * 0, pool3,
+            args[5][:, :3].contiguous(), batch.tables, batch.lens,
+        )  # fmt: skip
 
 
 def test_packages_read_the_models_own_weights(compiled: AOTIModel, eager: HSTU) -> None:
