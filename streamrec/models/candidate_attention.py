@@ -81,7 +81,8 @@ CAND_FP8_LAUNCH = (128, 128, 8, 2)
 # 2026-12-06, bench/results/h100_attention_sweep_1206g.json): 29.9 against 51.9 us at
 # batch 1 (1.74x), 56.1 against 65.2 at batch 8 (1.16x), 0.3189 against 0.3078 ms at
 # batch 64 (0.97x: the default stays above 8 users). An exported op (symbolic batch)
-# keeps CAND_LAUNCH.
+# keeps CAND_LAUNCH. Since the nineteenth session CAND_LAUNCH is this launch too (the
+# switch stays, for a default that differs again).
 CAND_SMALL_USERS = 8
 CAND_SMALL_LAUNCH = (64, 64, 4, 3)
 CAND_LAUNCH_BY_BATCH = True
