@@ -72,6 +72,10 @@ CAND_BLOCK_N = 64
 CAND_WARPS = 4
 CAND_STAGES = 3
 CAND_LAUNCH = (CAND_BLOCK_M, CAND_BLOCK_N, CAND_WARPS, CAND_STAGES)
+# An FP8 pool takes 128-key tiles: its tile is half the bytes, and 128 x 128 was the
+# fastest FP8 launch of the bench in both H100 runs of 2026-12-06 (batch 64 / 256: 0.2916
+# / 1.0931 ms against 0.3597 / 1.3532 at bf16's launch then, 1.23x) and again after the
+# nineteenth session's change (batch 256: 1.088 ms against 1.151 at 64x64x4x3).
 CAND_FP8_LAUNCH = (128, 128, 8, 2)
 # A small batch has few candidate tiles (2 per user at 256 candidates): half-height tiles
 # double the programs. In the H200 sweep of 2026-12-01 (bench/results/h200_kernel_sweep.json,
@@ -365,6 +369,8 @@ if triton is not None:
             q, k_self, v_self = (head_rows(t).flatten(-2) for t in (q, k_self, v_self))
             columns = (0, 0, 0)
         num_users, num_cands = q.shape[:2]
+        if KEY_BIAS_BLOCK % block_n:  # (the kernel reads the padded bias rows unmasked)
+            raise ModelError(f"candidate key tiles of {block_n} do not divide {KEY_BIAS_BLOCK}")
         block_size = ts_pool.shape[1]
         max_blocks = block_tables.shape[1]
         span = max_blocks * block_size

@@ -25,10 +25,11 @@ if triton is not None:
 
     @triton.jit
     def block_shift(block_size):
-        """log2 of the pool's block size (a power of two: ``check_inputs``), int32, from
-        its float exponent: a key's block and slot are then a shift and a mask, where a
-        division by the runtime size cost ~13 instructions per key row (sm_90a SASS of
-        the candidate kernel's key loop: 572 -> 520 with the size a constant)."""
+        """log2 of the pool's block size (a power of two: the candidate op and the AOTI
+        runtime check it), int32, from its float exponent: a key's block and slot are
+        then a shift and a mask, where a division by the runtime size cost ~13
+        instructions per key row (sm_90a SASS of the candidate kernel's key loop: 572 ->
+        520 with the size a constant)."""
         return (tl.cast(block_size, tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
 
     @triton.jit
