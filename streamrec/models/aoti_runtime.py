@@ -352,7 +352,7 @@ class AOTIModel:
         )  # fmt: skip
         self._tensor(entry, "ts_pool", ts_pool, _I64, 2, *kv_pool.shape[2:4])
         block_size = kv_pool.shape[3]
-        if entry == "rank" and block_size & (block_size - 1):  # (its kernel shifts, masks)
+        if block_size & (block_size - 1):  # (the kernels shift and mask: check_pow2_blocks)
             raise ModelError(f"{entry}: kv_pool block size {block_size} is not a power of two")
         self._tensor(entry, "block_tables", block_tables, _I32, 2, users)
         if block_tables.shape[1] == 0:

@@ -32,6 +32,7 @@ from streamrec.errors import ModelError
 from streamrec.models.attention import self_attention_term
 from streamrec.models.paged_attention import (
     check_inputs,
+    check_pow2_blocks,
     dense,
     fast_silu_allowed,
     head_rows,
@@ -514,12 +515,7 @@ def fused_projection_candidates(
         )
     heads = qkv.narrow(-1, columns[0], width).unflatten(-1, (num_heads, head_dim))
     check_inputs(heads, kv_layer[0], kv_scale)
-    block_size = kv_layer.shape[2]  # (a traced size is the AOTI runtime's to check)
-    if isinstance(block_size, int) and block_size & (block_size - 1):
-        raise ModelError(
-            f"the candidate kernel needs a power-of-two pool block size, got {block_size} "
-            "(it finds a key's block and slot by a shift and a mask)"
-        )
+    check_pow2_blocks(kv_layer[0])
     q_pos, q_ts, block_tables, cached_lens = dense(q_pos, q_ts, block_tables, cached_lens)
     return torch.ops.streamrec.paged_silu_attention_candidates(
         qkv, *columns, activate, q_pos, q_ts, kv_layer[0], kv_layer[1], ts_pool,

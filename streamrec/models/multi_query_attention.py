@@ -193,8 +193,8 @@ if triton is not None:
         for start in range(k_start, k_end, BLOCK_N):
             blk, k, v = dot_tile_kv(start, k_end, table_row, block_size, h, k_ptr, v_ptr,
                                     stride_kv_block, stride_kv_slot, q, D, BLOCK_N,
-                                    KV_FP8)  # fmt: skip
-            k_ts = tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N)
+                                    KV_FP8, True)  # fmt: skip
+            k_ts = tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N, True)
             keys = start + tl.arange(0, BLOCK_N)  # [BN]
             kmask = keys < k_end
             acc = _chunk_tile(acc, q, k, v, k_scale, pos[:, None] - keys[None, :],

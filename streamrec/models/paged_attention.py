@@ -187,6 +187,17 @@ def check_inputs(
     check_kv_scale(k_cache.dtype, kv_scale, k_cache.shape[-2])
 
 
+def check_pow2_blocks(k_cache: torch.Tensor) -> None:
+    """The tensor-core key tiles (candidates, multi-token extends) find a key's block and
+    slot by a shift and a mask; a traced (symbolic) size is the AOTI runtime's to check."""
+    block_size = k_cache.shape[1]
+    if isinstance(block_size, int) and block_size & (block_size - 1):
+        raise ModelError(
+            f"paged attention needs a power-of-two pool block size, got {block_size} "
+            "(a key's block and slot are a shift and a mask)"
+        )
+
+
 def dense(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The index tensors a kernel reads by computed offsets, made contiguous (a no-op,
     no copy, for tensors that already are)."""
@@ -546,6 +557,7 @@ def fused_token_attention(
     and each other, causally. An FP8 pool needs the layer's ``kv_scale [2, H]``; the new
     keys/values are then their cached (dequantized) form."""
     check_inputs(q, kv_layer[0], kv_scale)
+    check_pow2_blocks(kv_layer[0])
     # The kernel indexes these as dense rows (a sliced block table would be read with the
     # wrong row stride, silently): a no-op for the step's own contiguous tensors.
     q_pos, q_ts, q_user, q_start, block_tables, cached_lens = dense(

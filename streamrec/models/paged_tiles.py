@@ -25,7 +25,7 @@ if triton is not None:
 
     @triton.jit
     def block_shift(block_size):
-        """log2 of the pool's block size (a power of two: the candidate op and the AOTI
+        """log2 of the pool's block size (a power of two: ``check_pow2_blocks`` and the AOTI
         runtime check it), int32, from its float exponent: a key's block and slot are
         then a shift and a mask, where a division by the runtime size cost ~13
         instructions per key row (sm_90a SASS of the candidate kernel's key loop: 572 ->
@@ -123,11 +123,14 @@ if triton is not None:
             return scale
 
     @triton.jit
-    def tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N: tl.constexpr):
-        """Timestamps [BN] of one cached key tile (0 past ``k_end``)."""
+    def tile_ts(start, k_end, blk, block_size, ts_pool_ptr, BLOCK_N: tl.constexpr,
+                POW2: tl.constexpr = False):  # fmt: skip
+        """Timestamps [BN] of one cached key tile (0 past ``k_end``; ``POW2``:
+        ``block_slot``)."""
         keys = start + tl.arange(0, BLOCK_N)  # [BN]
         kmask = keys < k_end
-        return tl.load(ts_pool_ptr + blk * block_size + keys % block_size, mask=kmask, other=0)
+        slot = block_slot(keys, block_size, POW2)  # [BN]
+        return tl.load(ts_pool_ptr + blk * block_size + slot, mask=kmask, other=0)
 
     @triton.jit
     def silu_over_n(s, inv_divisor, FAST: tl.constexpr):

@@ -361,16 +361,21 @@ def test_check_inputs(q_shape: tuple[int, ...], match: str | None) -> None:
         check_inputs(torch.zeros(q_shape), k_cache)
 
 
-def test_candidates_want_power_of_two_blocks() -> None:
-    """The candidate kernel finds a key's block and slot by a shift and a mask: a pool of
-    3-slot blocks is refused by name, before any kernel runs."""
+def test_kernels_want_power_of_two_blocks() -> None:
+    """The tensor-core key tiles find a key's block and slot by a shift and a mask: a pool
+    of 3-slot blocks is refused by name, by extend and rank, before any kernel runs."""
     c = make_case([5, 3], 2, True, "cpu", seed=0)
-    kv3 = c.kv[:, :, :3].contiguous()
+    kv3, ts3 = c.kv[:, :, :3].contiguous(), c.ts_pool[:, :3].contiguous()
     with pytest.raises(ModelError, match="power-of-two pool block size, got 3"):
         fused_candidate_attention(
             c.per_user(c.q), c.per_user(c.k_new), c.per_user(c.v_new), c.first(c.pos),
-            c.first(c.ts), kv3, c.ts_pool[:, :3].contiguous(), c.tables, c.lens, c.pos_bias,
-            c.time_bias, c.edges, c.divisor,
+            c.first(c.ts), kv3, ts3, c.tables, c.lens, c.pos_bias, c.time_bias, c.edges,
+            c.divisor,
+        )  # fmt: skip
+    with pytest.raises(ModelError, match="power-of-two pool block size, got 3"):
+        fused_token_attention(
+            c.q, c.k_new, c.v_new, c.pos, c.ts, c.users, c.q_start, kv3, ts3, c.tables,
+            c.lens, c.pos_bias, c.time_bias, c.edges, c.divisor,
         )  # fmt: skip
 
 
