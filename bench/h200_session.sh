@@ -60,7 +60,11 @@ for stage in "$@"; do
     ncu)  # Nsight Compute counters of one launch of each fused kernel (batch 64), at the
       # GPU's own clocks (ncu locks the base clock otherwise: 1.44 GHz on the H100)
       for op in ${NCU_OPS:-rank rank-packed extend prefill}; do
-        ncu --set full --clock-control none -k regex:"_candidate_kernel|_decode|_prefill_kernel" -c 1 \
+        # each op's own kernel: the rank ops build their cache with a prefill first, which
+        # a shared regex caught instead (nineteenth session)
+        case "$op" in rank*) kernel=_candidate_kernel ;; extend*) kernel=_decode ;;
+          *) kernel=_prefill_kernel ;; esac
+        ncu --set full --clock-control none -k regex:"$kernel" -c 1 \
           python3 -m bench.kernel_launch --op "$op" > "$OUT/ncu_$op.txt" 2>&1
         grep -E "^  [a-z_]+kernel|Duration|Throughput|Registers Per|Occupancy|Block Limit|Warp Cycles|Issued Ipc|Est\. (Local )?Speedup|stall|Stall|spill" "$OUT/ncu_$op.txt" | head -45
       done ;;
