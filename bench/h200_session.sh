@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|pipelines|cand19|untimed18|prefill-tr|readback|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|pipelines|select20|cand19|untimed18|prefill-tr|readback|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -338,6 +338,14 @@ json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[
       python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider \
         -k "not aoti and not hstu" 2>&1 | grep -E "passed|failed|Error" | tail -3
       python3 -m bench.retrieval_bench --batches 64 256 --out "$OUT" 2>&1 | tail -14 ;;
+    select20)  # twentieth session: the select kernel's branched append (a score that does not
+      # pass costs a compare and a branch; sm_90a 252 -> 232 registers): its gpu tests (the
+      # PTX path is CUDA-only), then the bench with the masked append beside it in one run
+      python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_retrieval.py 2>&1 \
+        | grep -E "differing|passed|failed|Error" | tail -12
+      python3 -m bench.retrieval_bench --batches 64 256 --out "$OUT" 2>&1 | tail -22
+      python3 -m bench.retrieval_bench --k 1 --dim 512 --batches 64 320 --sweep-batch 0 \
+        --out "$OUT" 2>&1 | tail -8 ;;
     retrieval)  # retrieval top-k: its gpu tests, then mm + topk, mm alone, fused, scan (issue 14.4)
       python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider 2>&1 \
         | tee "$OUT/retrieval_tests.log" | grep -E "B=|aoti|passed|failed|Error" | tail -20

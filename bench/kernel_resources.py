@@ -314,7 +314,7 @@ def compile_select(config: Any, keep: int = 256, dim: int = 512) -> Any:
     constants = dict(D=dim, BLOCK_B=config.block_b, BLOCK_V=config.block_v,
                      BLOCK_K=config.block_k, IEEE=False,
                      CAP=triton.next_power_of_2(keep + tiles * config.block_v), KEEP=keep,
-                     FLAT=config.flat)  # fmt: skip
+                     FLAT=config.flat, BRANCH=config.branch)  # fmt: skip
     aligned = [*pointers, "stride_u", "stride_t"]
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     return _compile(fn, signature, constants, aligned, options)
@@ -323,11 +323,11 @@ def compile_select(config: Any, keep: int = 256, dim: int = 512) -> Any:
 def select_main() -> int:
     for config in (rt.default_config(256, torch.bfloat16, 512),
                    rt.default_config(64, torch.bfloat16, 512)):  # fmt: skip
-        for flat in (False, True):
-            cfg = dataclasses.replace(config, flat=flat)
+        for flat, branch in ((False, True), (False, False), (True, True), (True, False)):
+            cfg = dataclasses.replace(config, flat=flat, branch=branch)
             row = resources(compile_select(cfg))
             label = (f"select B{cfg.block_b} V{cfg.block_v} K{cfg.block_k} w{cfg.num_warps} "
-                     f"s{cfg.num_stages}{' flat' if flat else ''}")  # fmt: skip
+                     f"s{cfg.num_stages}{' flat' * flat}{' branch' * branch}")  # fmt: skip
             _print_row(label, row)
     return 0
 

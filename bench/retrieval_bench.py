@@ -4,7 +4,8 @@ kernels and the score scan (what the op runs).
 All run inside CUDA graphs (``graphed``: one replay per call), with 16 exclusions per
 user and the first 17 rows blocked (the model's padding and OOV rows), as
 ``HSTU.retrieve`` does. Rows: ``op`` = ``retrieve`` with ``impl`` ``mm_topk``,
-``mm_only`` (the GEMM alone: the scan's floor), ``fused`` (``retrieval.launch_retrieval``)
+``mm_only`` (the GEMM alone: the scan's floor), ``fused`` (``retrieval.launch_retrieval``),
+``fused_masked`` (the same with the masked append it had before the branched one)
 or ``scan`` (``score_scan.launch_score_scan``): µs per call and per user, speedup against
 mm + topk, TFLOP/s of the GEMM part, how many rows differ from topk's — ties at the k-th
 score — and candidates kept per user; then ``retrieve_sweep`` rows: other tile shapes of
@@ -22,6 +23,7 @@ of the two implementations each should use.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 import traceback
 from collections.abc import Callable
@@ -42,13 +44,17 @@ DIM = 512
 K = 256
 NUM_EXCLUDED = 16
 FIRST = 17
-SWEEP = (  # block_b, block_v, block_k, warps, stages, programs per SM, flat (first: default)
-    (128, 128, 64, 8, 3, 2, False),
-    (128, 128, 64, 8, 3, 2, True),
-    (128, 128, 64, 8, 4, 1, False),
-    (64, 256, 64, 8, 3, 2, False),
-    (128, 256, 64, 8, 3, 1, False),
-    (64, 128, 64, 4, 4, 2, True),
+# block_b, block_v, block_k, warps, stages, programs per SM, flat, branch (first: default)
+SWEEP = (
+    (128, 128, 64, 8, 3, 2, False, True),
+    (128, 128, 64, 8, 3, 2, False, False),
+    (128, 128, 64, 8, 3, 2, True, True),
+    (128, 128, 64, 8, 3, 2, True, False),
+    (128, 128, 64, 8, 4, 1, False, True),
+    (64, 256, 64, 8, 3, 2, False, True),
+    (128, 256, 64, 8, 3, 1, False, True),
+    (64, 128, 64, 4, 4, 2, True, True),
+    (64, 128, 64, 4, 4, 2, False, True),
 )
 
 
@@ -78,6 +84,9 @@ def batch_rows(
     base = _us(lambda: retrieval.retrieve_reference(users, table, exclude, k, FIRST), iters)
     want = retrieval.retrieve_reference(users, table, exclude, k, FIRST)[1]
     flop = 2.0 * batch * table.shape[0] * table.shape[1]
+    masked = dataclasses.replace(
+        retrieval.default_config(batch, table.dtype, table.shape[1]), branch=False
+    )
 
     def row(impl: str, us: float, **extra: object) -> dict[str, object]:
         return {"op": "retrieve", "impl": impl, "batch": batch, "us": round(us, 1),
@@ -88,6 +97,10 @@ def batch_rows(
     rows.append(row("mm_only", _us(lambda: users @ table[FIRST:].t(), iters)))
     impls: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
         "fused": partial(retrieval.launch_retrieval, users, table, exclude, k, FIRST),
+        # the default tile with the masked append (the op before the branched one)
+        "fused_masked": partial(
+            retrieval.launch_retrieval, users, table, exclude, k, FIRST, masked
+        ),
         "scan": partial(score_scan.launch_score_scan, users, table, exclude, k, FIRST),
     }
     for impl, run in impls.items():
@@ -108,8 +121,8 @@ def sweep_rows(
 ) -> list[dict[str, object]]:
     users, exclude = _inputs(table, batch, seed=batch)
     rows: list[dict[str, object]] = []
-    for bb, bv, bk, warps, stages, per_sm, flat in SWEEP:
-        cfg = retrieval.LaunchConfig(bb, bv, bk, warps, stages, per_sm, flat)
+    for bb, bv, bk, warps, stages, per_sm, flat, branch in SWEEP:
+        cfg = retrieval.LaunchConfig(bb, bv, bk, warps, stages, per_sm, flat, branch)
         try:
             run = partial(retrieval.launch_retrieval, users, table, exclude, k, FIRST, cfg)
             us = _us(run, iters)
@@ -119,7 +132,8 @@ def sweep_rows(
         rows.append(
             {"op": "retrieve_sweep", "impl": "fused", "batch": batch, "us": round(us, 1),
              "us_per_user": round(us / batch, 2), "speedup_vs_mm_topk": round(base_us / us, 2),
-             "config": f"B{bb} V{bv} K{bk} w{warps} s{stages} p{per_sm}{' flat' * flat}"}
+             "config": f"B{bb} V{bv} K{bk} w{warps} s{stages} p{per_sm}{' flat' * flat}"
+                       f"{' branch' * branch}"}
         )  # fmt: skip
     return rows
 

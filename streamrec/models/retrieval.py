@@ -88,6 +88,10 @@ class LaunchConfig:
     # prefetches the next tile's first K steps while this tile's candidates are stored;
     # its regions are checked (and compacted) every FLAT_TILES tiles.
     flat: bool = False
+    # (CUDA only; the interpreter runs no PTX) each score above its threshold appended
+    # under a branch, so that a score that does not pass costs a compare and a branch
+    # instead of the masked atomic and stores' dozen instructions (the default loop)
+    branch: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_b", "block_v", "block_k"):
@@ -230,16 +234,20 @@ if triton is not None:
     def _tile_scores(
         u_ptr, t_ptr, rows, cols, num_users, num_items, stride_u, stride_t,
         D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-        BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr = True,
     ):  # fmt: skip
-        """fp32 scores [BLOCK_B, BLOCK_V] of users ``rows`` x items ``cols``; -inf past V."""
+        """fp32 scores [BLOCK_B, BLOCK_V] of users ``rows`` x items ``cols``; -inf past V
+        (MASKED: a tile that may reach past V; a full tile skips the two instructions per
+        score)."""
         u_rows = u_ptr + rows.to(tl.int64)[:, None] * stride_u  # [BB, 1]
         t_rows = t_ptr + cols.to(tl.int64)[:, None] * stride_t  # [BV, 1]
         col_ok = cols < num_items
         acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
         for kk in range(0, D, BLOCK_K):
             acc = _dot_step(acc, u_rows, t_rows, kk, rows < num_users, col_ok, BLOCK_K, IEEE)
-        return tl.where(col_ok[None, :], acc, float("-inf"))
+        if MASKED:
+            acc = tl.where(col_ok[None, :], acc, float("-inf"))
+        return acc
 
     @triton.jit
     def _sample_kernel(
@@ -338,13 +346,77 @@ if triton is not None:
             num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
         )  # fmt: skip
 
+    # One score's append, in PTX: $0 = its region's count after the append (0: the score
+    # did not pass), $1 score, $2 threshold, $3 the region's count, $4 / $5 the region's
+    # score / item rows, $6 the item. The branch is what the masked form cannot say.
+    _APPEND_PTX = tl.constexpr(
+        """
+    {
+    .reg .pred p;
+    .reg .b32 old;
+    .reg .b64 off, at;
+    mov.b32 $0, 0;
+    setp.gt.f32 p, $1, $2;
+    @!p bra skip${:uid};
+    atom.relaxed.cta.global.add.u32 old, [$3], 1;
+    add.u32 $0, old, 1;
+    mul.wide.u32 off, old, 4;
+    add.u64 at, $4, off;
+    st.global.f32 [at], $1;
+    add.u64 at, $5, off;
+    st.global.b32 [at], $6;
+    skip${:uid}:
+    }
+    """
+    )
+
+    @triton.jit
+    def _branched_counts(acc, cols, thr, slots, cnt_ptr, sc_ptr, ix_ptr, CAP: tl.constexpr):
+        """Append a tile's scores above threshold, one branch per score (the caller has
+        made room for the tile). Returns, per score, its region's count after its append
+        (0: not appended), [BB, BV]: a row's maximum is its new count."""
+        return tl.inline_asm_elementwise(
+            asm=_APPEND_PTX,
+            constraints="=r,f,f,l,l,l,r",
+            args=[
+                acc,  # [BB, BV]
+                thr[:, None],
+                (cnt_ptr + slots).to(tl.int64)[:, None],
+                (sc_ptr + slots * CAP).to(tl.int64)[:, None],
+                (ix_ptr + slots * CAP).to(tl.int64)[:, None],
+                cols[None, :],
+            ],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @triton.jit
+    def _append_branched(
+        acc, cols, thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex,
+        num_ex, ex_steps, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr,
+        KEEP: tl.constexpr,
+    ):  # fmt: skip
+        """``_append`` with a branch per score: the counts come back from the atomics, so
+        none is summed per tile; rows the next tile could overflow are compacted. Returns
+        the new thresholds."""
+        counts = _branched_counts(acc, cols, thr, slots, cnt_ptr, sc_ptr, ix_ptr, CAP)
+        if tl.max(tl.max(counts, axis=1), axis=0) > CAP - BLOCK_V:
+            tl.debug_barrier()
+            thr = _compact(
+                thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex,
+                num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
+            )  # fmt: skip
+            tl.debug_barrier()
+        return thr
+
     @triton.jit
     def _select_kernel(
         u_ptr, t_ptr, thr_ptr, ex_ptr, cnt_ptr, sc_ptr, ix_ptr, num_users, num_items, first,
         num_chunks, chunk_tiles, stride_u, stride_t, stride_ex, num_ex, ex_steps,
         D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr, IEEE: tl.constexpr, CAP: tl.constexpr, KEEP: tl.constexpr,
-        FLAT: tl.constexpr,
+        FLAT: tl.constexpr, BRANCH: tl.constexpr = False,
     ):  # fmt: skip
         """Candidates of users ``program_id(0)`` in item chunk ``program_id(1)``."""
         rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -374,9 +446,37 @@ if triton is not None:
                                     BLOCK_K, IEEE)  # fmt: skip
                     if it % steps == steps - 1:
                         acc = tl.where((cols < num_items)[None, :], acc, float("-inf"))
-                        cnt = _store_passing(acc, cols, thr, cnt, slots, cnt_ptr, sc_ptr,
-                                             ix_ptr, BLOCK_B, BLOCK_V, CAP)  # fmt: skip
+                        if BRANCH:  # (a row's count: an upper bound since its last check)
+                            counts = _branched_counts(acc, cols, thr, slots, cnt_ptr, sc_ptr,
+                                                      ix_ptr, CAP)  # fmt: skip
+                            cnt = tl.maximum(cnt, tl.max(counts, axis=1))
+                        else:
+                            cnt = _store_passing(acc, cols, thr, cnt, slots, cnt_ptr, sc_ptr,
+                                                 ix_ptr, BLOCK_B, BLOCK_V, CAP)  # fmt: skip
                         acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
+        elif BRANCH:
+            # full tiles unmasked, then the one that reaches past V (if any)
+            full = start + (stop - start) // BLOCK_V * BLOCK_V
+            for v0 in range(start, full, BLOCK_V):
+                cols = v0 + tl.arange(0, BLOCK_V)
+                acc = _tile_scores(
+                    u_ptr, t_ptr, rows, cols, num_users, num_items, stride_u, stride_t,
+                    D, BLOCK_B, BLOCK_V, BLOCK_K, IEEE, MASKED=False,
+                )  # fmt: skip
+                thr = _append_branched(
+                    acc, cols, thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr,
+                    ex_ptr, stride_ex, num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
+                )  # fmt: skip
+            if full < stop:
+                cols = full + tl.arange(0, BLOCK_V)
+                acc = _tile_scores(
+                    u_ptr, t_ptr, rows, cols, num_users, num_items, stride_u, stride_t,
+                    D, BLOCK_B, BLOCK_V, BLOCK_K, IEEE,
+                )  # fmt: skip
+                thr = _append_branched(
+                    acc, cols, thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr,
+                    ex_ptr, stride_ex, num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
+                )  # fmt: skip
         else:
             for v0 in range(start, stop, BLOCK_V):
                 cols = v0 + tl.arange(0, BLOCK_V)
@@ -446,7 +546,8 @@ if triton is not None:
         torch.library.wrap_triton(_select_kernel)[(user_tiles, chunks)](
             u, table, thr, ex, counts, sc, ix, num_users, num_items, first_row, chunks,
             chunk_tiles, u.stride(0), table.stride(0), ex.stride(0), num_ex, ex_steps,
-            CAP=cap, KEEP=keep, FLAT=cfg.flat, **tile, **launch,
+            CAP=cap, KEEP=keep, FLAT=cfg.flat, BRANCH=cfg.branch and dev.type == "cuda",
+            **tile, **launch,
         )  # fmt: skip
 
         scores, rows = launch_merge(sc, ix, counts, ex, ex_steps, k, cap, keep, merge_window)
