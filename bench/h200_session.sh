@@ -339,14 +339,17 @@ json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[
         -k "not aoti and not hstu" 2>&1 | grep -E "passed|failed|Error" | tail -3
       python3 -m bench.retrieval_bench --batches 64 256 --out "$OUT" 2>&1 | tail -14 ;;
     select20)  # twentieth session: the select kernel's branched append (a score that does not
-      # pass costs a compare and a branch; sm_90a 252 -> 232 registers): its gpu tests (the
-      # PTX path is CUDA-only), then the bench with the masked append beside it in one run
+      # pass costs a compare and a branch; sm_90a 252 -> 232 registers) and the resident
+      # select (the users' tile in shared memory, resident_select.py): their gpu tests (the
+      # PTX path is CUDA-only), then the bench, the masked append beside them in one run
       python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_retrieval.py 2>&1 \
         | grep -E "differing|passed|failed|Error" | tail -12
       python3 -m bench.retrieval_bench --batches 64 256 --out "$OUT" 2>&1 | tail -22
       python3 -m bench.retrieval_bench --batches 64 --sweep-batch 64 --out "$OUT/b64" 2>&1 | tail -12
       python3 -m bench.retrieval_bench --k 1 --dim 512 --batches 64 320 --sweep-batch 0 \
-        --out "$OUT" 2>&1 | tail -8 ;;
+        --out "$OUT" 2>&1 | tail -10
+      python3 -m bench.retrieval_bench --k 1 --dim 64 --batches 64 256 --sweep-batch 0 \
+        --out "$OUT" 2>&1 | tail -10 ;;
     retrieval)  # retrieval top-k: its gpu tests, then mm + topk, mm alone, fused, scan (issue 14.4)
       python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider 2>&1 \
         | tee "$OUT/retrieval_tests.log" | grep -E "B=|aoti|passed|failed|Error" | tail -20

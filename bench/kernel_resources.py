@@ -56,6 +56,7 @@ from streamrec.models import candidate_attention as ca
 from streamrec.models import multi_query_attention as mqa
 from streamrec.models import paged_attention as pa
 from streamrec.models import prefill_kernels as pfk
+from streamrec.models import resident_select as rs
 from streamrec.models import retrieval as rt
 from streamrec.models import score_scan as ss
 
@@ -320,7 +321,32 @@ def compile_select(config: Any, keep: int = 256, dim: int = 512) -> Any:
     return _compile(fn, signature, constants, aligned, options)
 
 
+def compile_resident(config: Any, keep: int = 256, dim: int = 512) -> Any:
+    """The resident select kernel (``resident_select.py``) as ``launch_retrieval`` runs it
+    with ``config.resident``."""
+    fn = rs.resident_select_kernel
+    pointers = dict(u_ptr="*bf16", t_ptr="*bf16", thr_ptr="*fp32", ex_ptr="*i32",
+                    cnt_ptr="*i32", sc_ptr="*fp32", ix_ptr="*i32")  # fmt: skip
+    signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "i32")
+                 for p in fn.params}  # fmt: skip
+    seg, cap = rs.resident_plan(keep, config.block_v)
+    constants = dict(D=dim, BLOCK_B=config.block_b, BLOCK_V=config.block_v, IEEE=False,
+                     CAP=cap, KEEP=keep, SEG=seg, BRANCH=config.branch)  # fmt: skip
+    aligned = [*pointers, "stride_u", "stride_t"]
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return _compile(fn, signature, constants, aligned, options)
+
+
+# (block_b, block_v, warps, stages) of the resident select at D = 512 (bench/retrieval_bench.py)
+RESIDENT_LAUNCHES = ((128, 32, 8, 3), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 4))
+
+
 def select_main() -> int:
+    for bb, bv, warps, stages in RESIDENT_LAUNCHES:
+        cfg = rt.LaunchConfig(bb, bv, 64, warps, stages, 1, resident=True)
+        row = resources(compile_resident(cfg))
+        row["programs_per_sm"] = programs_per_sm(row, warps)
+        _print_row(f"select B{bb} V{bv} w{warps} s{stages} resident branch", row)
     for config in (rt.default_config(256, torch.bfloat16, 512),
                    rt.default_config(64, torch.bfloat16, 512)):  # fmt: skip
         for flat, branch in ((False, True), (False, False), (True, True), (True, False)):

@@ -5,7 +5,8 @@ All run inside CUDA graphs (``graphed``: one replay per call), with 16 exclusion
 user and the first 17 rows blocked (the model's padding and OOV rows), as
 ``HSTU.retrieve`` does. Rows: ``op`` = ``retrieve`` with ``impl`` ``mm_topk``,
 ``mm_only`` (the GEMM alone: the scan's floor), ``fused`` (``retrieval.launch_retrieval``),
-``fused_masked`` (the same with the masked append it had before the branched one)
+``fused_masked`` (the same with the masked append it had before the branched one),
+``fused_resident`` (``retrieval.resident_config``: the users' tile in shared memory)
 or ``scan`` (``score_scan.launch_score_scan``): µs per call and per user, speedup against
 mm + topk, TFLOP/s of the GEMM part, how many rows differ from topk's — ties at the k-th
 score — and candidates kept per user; then ``retrieve_sweep`` rows: other tile shapes of
@@ -56,6 +57,8 @@ SWEEP = (
     (64, 128, 64, 4, 4, 2, True, True),
     (64, 128, 64, 4, 4, 2, False, True),
 )
+# block_b, block_v, warps, stages of the resident select (resident_select.py)
+RESIDENT_SWEEP = ((128, 32, 8, 3), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 4))
 
 
 def _inputs(table: torch.Tensor, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +106,11 @@ def batch_rows(
         ),
         "scan": partial(score_scan.launch_score_scan, users, table, exclude, k, FIRST),
     }
+    resident = retrieval.resident_config(batch, table.dtype, table.shape[1])
+    if resident is not None:  # the users' tile in shared memory (resident_select.py)
+        impls["fused_resident"] = partial(
+            retrieval.launch_retrieval, users, table, exclude, k, FIRST, resident
+        )
     for impl, run in impls.items():
         try:
             us = _us(run, iters)
@@ -120,9 +128,17 @@ def sweep_rows(
     table: torch.Tensor, batch: int, iters: int, base_us: float, k: int = K
 ) -> list[dict[str, object]]:
     users, exclude = _inputs(table, batch, seed=batch)
-    rows: list[dict[str, object]] = []
+    configs: list[tuple[str, retrieval.LaunchConfig]] = []
     for bb, bv, bk, warps, stages, per_sm, flat, branch in SWEEP:
-        cfg = retrieval.LaunchConfig(bb, bv, bk, warps, stages, per_sm, flat, branch)
+        name = f"B{bb} V{bv} K{bk} w{warps} s{stages} p{per_sm}{' flat' * flat}{' branch' * branch}"
+        configs.append(
+            (name, retrieval.LaunchConfig(bb, bv, bk, warps, stages, per_sm, flat, branch))
+        )
+    for bb, bv, warps, stages in RESIDENT_SWEEP:
+        name = f"B{bb} V{bv} w{warps} s{stages} resident branch"
+        configs.append((name, retrieval.LaunchConfig(bb, bv, 64, warps, stages, 1, resident=True)))
+    rows: list[dict[str, object]] = []
+    for name, cfg in configs:
         try:
             run = partial(retrieval.launch_retrieval, users, table, exclude, k, FIRST, cfg)
             us = _us(run, iters)
@@ -132,8 +148,7 @@ def sweep_rows(
         rows.append(
             {"op": "retrieve_sweep", "impl": "fused", "batch": batch, "us": round(us, 1),
              "us_per_user": round(us / batch, 2), "speedup_vs_mm_topk": round(base_us / us, 2),
-             "config": f"B{bb} V{bv} K{bk} w{warps} s{stages} p{per_sm}{' flat' * flat}"
-                       f"{' branch' * branch}"}
+             "config": name}
         )  # fmt: skip
     return rows
 

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from streamrec.errors import ModelError
+from streamrec.models.resident_select import SHARED_BYTES, check_resident_fits, resident_plan
 from streamrec.models.topk_merge import (
     DEFAULT_SMS,
     EXCLUDE_STEPS,
@@ -92,6 +93,10 @@ class LaunchConfig:
     # under a branch, so that a score that does not pass costs a compare and a branch
     # instead of the masked atomic and stores' dozen instructions (the default loop)
     branch: bool = True
+    # The users' [block_b, D] tile loaded once into shared memory and the item chunk
+    # streamed one [block_v, D] tile per iteration (``resident_select.py``; block_k is
+    # then the threshold pass's only)
+    resident: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_b", "block_v", "block_k"):
@@ -113,6 +118,22 @@ def default_config(batch: int | torch.SymInt, dtype: torch.dtype, dim: int) -> L
     if batch <= 64:
         return LaunchConfig(16 if small else 32 if batch <= 32 else 64, 128, block_k, 4, 4)
     return LaunchConfig(128, 128, block_k, 8, 3)
+
+
+def resident_config(batch: int, dtype: torch.dtype, dim: int) -> LaunchConfig | None:
+    """The resident select's tile for this call, or None where it does not apply (fp32,
+    whose IEEE dots would double the shared memory; a dim that is not a power of two):
+    64 users for a batch of <= 64 (one tile: the table is read once), else 128, and the
+    widest item tile that fits beside them in 3 stages, or in 2."""
+    if dtype == torch.float32 or dim & (dim - 1) or dim < 16:
+        return None
+    block_b = 64 if batch <= 64 else 128
+    for block_v in (128, 64, 32, 16):
+        for stages in (3, 2):
+            if (block_b + stages * block_v) * dim * 2 <= SHARED_BYTES:
+                warps = 4 if block_b == 64 else 8
+                return LaunchConfig(block_b, block_v, 64, warps, stages, 1, resident=True)
+    return None
 
 
 def triton_available() -> bool:
@@ -210,7 +231,15 @@ def fused_retrieve(
 # ---------------------------------------------------------------- kernels
 
 if triton is not None:
-    from streamrec.models.topk_merge import launch_merge, top_of_region, unpack
+    from streamrec.models.region_append import (
+        append_branched,
+        append_masked,
+        branched_counts,
+        make_room,
+        store_passing,
+    )
+    from streamrec.models.resident_select import resident_select_kernel
+    from streamrec.models.topk_merge import launch_merge
 
     @triton.jit
     def _dot_step(
@@ -269,148 +298,6 @@ if triton is not None:
         tl.store(ptrs, gmax, mask=(rows < num_users)[:, None])
 
     @triton.jit
-    def _compact(
-        thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex, num_ex,
-        ex_steps, BLOCK_B: tl.constexpr, ROOM: tl.constexpr, CAP: tl.constexpr,
-        KEEP: tl.constexpr,
-    ):  # fmt: skip
-        """Rows whose region might not hold ROOM more entries keep their top KEEP
-        entries (excluded items as -inf) and raise their threshold to the KEEP-th score."""
-        lane = tl.arange(0, BLOCK_B)
-        for r in range(BLOCK_B):
-            sel = lane == r
-            row = tl.sum(tl.where(sel, rows, 0), axis=0)
-            slot = tl.sum(tl.where(sel, slots, 0), axis=0)
-            n = tl.load(cnt_ptr + slot, mask=row < num_users, other=0)
-            if n > CAP - ROOM:
-                base = slot * CAP
-                top = top_of_region(
-                    sc_ptr, ix_ptr, base, n, ex_ptr + row * stride_ex, num_ex, ex_steps,
-                    CAP, KEEP,
-                )  # fmt: skip
-                ts, ti = unpack(top)
-                keep = tl.arange(0, KEEP)
-                tl.store(sc_ptr + base + keep, ts)
-                tl.store(ix_ptr + base + keep, ti)
-                tl.store(cnt_ptr + slot, KEEP)
-                kth, _ = unpack(tl.min(top, axis=0))
-                thr = tl.where(sel, tl.maximum(thr, kth), thr)
-        return thr
-
-    @triton.jit
-    def _store_passing(
-        acc, cols, thr, cnt, slots, cnt_ptr, sc_ptr, ix_ptr, BLOCK_B: tl.constexpr,
-        BLOCK_V: tl.constexpr, CAP: tl.constexpr,
-    ):  # fmt: skip
-        """Append a tile's scores above threshold to the rows' regions (the caller has
-        made room for the tile, so slot < CAP). Returns the new counts."""
-        take = acc > thr[:, None]  # [BB, BV]
-        cnt_ptrs = tl.broadcast_to(cnt_ptr + slots[:, None], [BLOCK_B, BLOCK_V])
-        ones = tl.full([BLOCK_B, BLOCK_V], 1, tl.int32)
-        slot = tl.atomic_add(cnt_ptrs, ones, mask=take, sem="relaxed", scope="cta")
-        dest = slots[:, None] * CAP + slot
-        tl.store(sc_ptr + dest, acc, mask=take)
-        tl.store(ix_ptr + dest, tl.broadcast_to(cols[None, :], [BLOCK_B, BLOCK_V]), mask=take)
-        return cnt + tl.sum(take.to(tl.int32), axis=1)
-
-    @triton.jit
-    def _make_room(
-        thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex, num_ex,
-        ex_steps, BLOCK_B: tl.constexpr, ROOM: tl.constexpr, CAP: tl.constexpr,
-        KEEP: tl.constexpr,
-    ):  # fmt: skip
-        """Compact the rows whose region might not hold ROOM more entries (the CTA's
-        appends made visible first). Returns the new (thr, cnt)."""
-        if tl.max(cnt, axis=0) > CAP - ROOM:
-            tl.debug_barrier()
-            thr = _compact(
-                thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex,
-                num_ex, ex_steps, BLOCK_B, ROOM, CAP, KEEP,
-            )  # fmt: skip
-            tl.debug_barrier()
-            cnt = tl.load(cnt_ptr + slots, mask=rows < num_users, other=0)
-        return thr, cnt
-
-    @triton.jit
-    def _append(
-        acc, cols, thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr,
-        stride_ex, num_ex, ex_steps, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-        CAP: tl.constexpr, KEEP: tl.constexpr,
-    ):  # fmt: skip
-        """Append a tile's scores above threshold; compact the rows that might not hold
-        another tile. Returns the new (thr, cnt)."""
-        cnt = _store_passing(acc, cols, thr, cnt, slots, cnt_ptr, sc_ptr, ix_ptr, BLOCK_B,
-                             BLOCK_V, CAP)  # fmt: skip
-        return _make_room(
-            thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex,
-            num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
-        )  # fmt: skip
-
-    # One score's append, in PTX: $0 = its region's count after the append (0: the score
-    # did not pass), $1 score, $2 threshold, $3 the region's count, $4 / $5 the region's
-    # score / item rows, $6 the item. The branch is what the masked form cannot say.
-    _APPEND_PTX = tl.constexpr(
-        """
-    {
-    .reg .pred p;
-    .reg .b32 old;
-    .reg .b64 off, at;
-    mov.b32 $0, 0;
-    setp.gt.f32 p, $1, $2;
-    @!p bra skip${:uid};
-    atom.relaxed.cta.global.add.u32 old, [$3], 1;
-    add.u32 $0, old, 1;
-    mul.wide.u32 off, old, 4;
-    add.u64 at, $4, off;
-    st.global.f32 [at], $1;
-    add.u64 at, $5, off;
-    st.global.b32 [at], $6;
-    skip${:uid}:
-    }
-    """
-    )
-
-    @triton.jit
-    def _branched_counts(acc, cols, thr, slots, cnt_ptr, sc_ptr, ix_ptr, CAP: tl.constexpr):
-        """Append a tile's scores above threshold, one branch per score (the caller has
-        made room for the tile). Returns, per score, its region's count after its append
-        (0: not appended), [BB, BV]: a row's maximum is its new count."""
-        return tl.inline_asm_elementwise(
-            asm=_APPEND_PTX,
-            constraints="=r,f,f,l,l,l,r",
-            args=[
-                acc,  # [BB, BV]
-                thr[:, None],
-                (cnt_ptr + slots).to(tl.int64)[:, None],
-                (sc_ptr + slots * CAP).to(tl.int64)[:, None],
-                (ix_ptr + slots * CAP).to(tl.int64)[:, None],
-                cols[None, :],
-            ],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-    @triton.jit
-    def _append_branched(
-        acc, cols, thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex,
-        num_ex, ex_steps, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr,
-        KEEP: tl.constexpr,
-    ):  # fmt: skip
-        """``_append`` with a branch per score: the counts come back from the atomics, so
-        none is summed per tile; rows the next tile could overflow are compacted. Returns
-        the new thresholds."""
-        counts = _branched_counts(acc, cols, thr, slots, cnt_ptr, sc_ptr, ix_ptr, CAP)
-        if tl.max(tl.max(counts, axis=1), axis=0) > CAP - BLOCK_V:
-            tl.debug_barrier()
-            thr = _compact(
-                thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex,
-                num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
-            )  # fmt: skip
-            tl.debug_barrier()
-        return thr
-
-    @triton.jit
     def _select_kernel(
         u_ptr, t_ptr, thr_ptr, ex_ptr, cnt_ptr, sc_ptr, ix_ptr, num_users, num_items, first,
         num_chunks, chunk_tiles, stride_u, stride_t, stride_ex, num_ex, ex_steps,
@@ -434,7 +321,7 @@ if triton is not None:
             acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
             n_tiles = tl.cdiv(stop - start, BLOCK_V)
             for tile0 in range(0, n_tiles, seg):
-                thr, cnt = _make_room(
+                thr, cnt = make_room(
                     thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr,
                     stride_ex, num_ex, ex_steps, BLOCK_B, seg * BLOCK_V, CAP, KEEP,
                 )  # fmt: skip
@@ -447,11 +334,11 @@ if triton is not None:
                     if it % steps == steps - 1:
                         acc = tl.where((cols < num_items)[None, :], acc, float("-inf"))
                         if BRANCH:  # (a row's count: an upper bound since its last check)
-                            counts = _branched_counts(acc, cols, thr, slots, cnt_ptr, sc_ptr,
+                            counts = branched_counts(acc, cols, thr, slots, cnt_ptr, sc_ptr,
                                                       ix_ptr, CAP)  # fmt: skip
                             cnt = tl.maximum(cnt, tl.max(counts, axis=1))
                         else:
-                            cnt = _store_passing(acc, cols, thr, cnt, slots, cnt_ptr, sc_ptr,
+                            cnt = store_passing(acc, cols, thr, cnt, slots, cnt_ptr, sc_ptr,
                                                  ix_ptr, BLOCK_B, BLOCK_V, CAP)  # fmt: skip
                         acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
         elif BRANCH:
@@ -463,7 +350,7 @@ if triton is not None:
                     u_ptr, t_ptr, rows, cols, num_users, num_items, stride_u, stride_t,
                     D, BLOCK_B, BLOCK_V, BLOCK_K, IEEE, MASKED=False,
                 )  # fmt: skip
-                thr = _append_branched(
+                thr = append_branched(
                     acc, cols, thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr,
                     ex_ptr, stride_ex, num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
                 )  # fmt: skip
@@ -473,7 +360,7 @@ if triton is not None:
                     u_ptr, t_ptr, rows, cols, num_users, num_items, stride_u, stride_t,
                     D, BLOCK_B, BLOCK_V, BLOCK_K, IEEE,
                 )  # fmt: skip
-                thr = _append_branched(
+                thr = append_branched(
                     acc, cols, thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr,
                     ex_ptr, stride_ex, num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
                 )  # fmt: skip
@@ -484,7 +371,7 @@ if triton is not None:
                     u_ptr, t_ptr, rows, cols, num_users, num_items, stride_u, stride_t,
                     D, BLOCK_B, BLOCK_V, BLOCK_K, IEEE,
                 )  # fmt: skip
-                thr, cnt = _append(
+                thr, cnt = append_masked(
                     acc, cols, thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr,
                     ex_ptr, stride_ex, num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
                 )  # fmt: skip
@@ -513,16 +400,20 @@ if triton is not None:
         keep = max(2, next_pow2(k))  # tl.topk and the merge need at least 2 lanes
         cap = next_pow2(keep + (FLAT_TILES if cfg.flat else 1) * bv)
         launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        tile = {"D": dim, "BLOCK_B": bb, "BLOCK_V": bv, "BLOCK_K": cfg.block_k,
-                "IEEE": user_emb.dtype == torch.float32 or not user_emb.is_cuda}  # fmt: skip
+        ieee = user_emb.dtype == torch.float32 or not user_emb.is_cuda
+        tile = {"D": dim, "BLOCK_B": bb, "BLOCK_V": bv, "BLOCK_K": cfg.block_k, "IEEE": ieee}
+        if cfg.resident:  # the threshold pass keeps the tile kernel's 128-item tiles
+            check_resident_fits(bb, bv, cfg.num_stages, dim, user_emb.element_size())
+            seg, cap = resident_plan(keep, bv)
+            tile["BLOCK_V"] = max(bv, 128)
         dev = user_emb.device
         u = user_emb.contiguous()
         ex = sorted_exclusions(exclude, num_items)
         ex_steps = num_ex.bit_length() if isinstance(num_ex, int) else EXCLUDE_STEPS
         user_tiles = cdiv(num_users, bb)
 
-        sampled = cdiv(num_items - first_row, bv * SAMPLE_EVERY)
-        groups = sampled * (bv // SAMPLE_GROUP)
+        sampled = cdiv(num_items - first_row, tile["BLOCK_V"] * SAMPLE_EVERY)
+        groups = sampled * (tile["BLOCK_V"] // SAMPLE_GROUP)
         gmax = torch.empty(num_users, groups, device=dev, dtype=torch.float32)
         torch.library.wrap_triton(_sample_kernel)[(user_tiles, sampled)](
             u, table, gmax, num_users, num_items, first_row, groups, u.stride(0),
@@ -543,12 +434,19 @@ if triton is not None:
         counts = torch.zeros(num_users, chunks, device=dev, dtype=torch.int32)
         sc = torch.empty(num_users * chunks * cap, device=dev, dtype=torch.float32)
         ix = torch.empty(num_users * chunks * cap, device=dev, dtype=torch.int32)
-        torch.library.wrap_triton(_select_kernel)[(user_tiles, chunks)](
-            u, table, thr, ex, counts, sc, ix, num_users, num_items, first_row, chunks,
-            chunk_tiles, u.stride(0), table.stride(0), ex.stride(0), num_ex, ex_steps,
-            CAP=cap, KEEP=keep, FLAT=cfg.flat, BRANCH=cfg.branch and dev.type == "cuda",
-            **tile, **launch,
-        )  # fmt: skip
+        branch = cfg.branch and dev.type == "cuda"
+        args = (u, table, thr, ex, counts, sc, ix, num_users, num_items, first_row, chunks,
+                chunk_tiles, u.stride(0), table.stride(0), ex.stride(0), num_ex,
+                ex_steps)  # fmt: skip
+        if cfg.resident:
+            torch.library.wrap_triton(resident_select_kernel)[(user_tiles, chunks)](
+                *args, D=dim, BLOCK_B=bb, BLOCK_V=bv, IEEE=ieee, CAP=cap, KEEP=keep, SEG=seg,
+                BRANCH=branch, **launch,
+            )  # fmt: skip
+        else:
+            torch.library.wrap_triton(_select_kernel)[(user_tiles, chunks)](
+                *args, CAP=cap, KEEP=keep, FLAT=cfg.flat, BRANCH=branch, **tile, **launch
+            )
 
         scores, rows = launch_merge(sc, ix, counts, ex, ex_steps, k, cap, keep, merge_window)
         return scores, rows, counts

@@ -197,13 +197,23 @@ def kernels() -> Iterator[Any]:
         # flat loop's segments
         ("zero_user", torch.bfloat16, True),
         ("exclude_best", torch.float32, True),
+        # "resident": the users' tile loaded once, one dot over D per item tile; the
+        # clustered and zero users fill a region within a run (compaction between runs)
+        ("random", torch.bfloat16, "resident"),
+        ("clustered", torch.float32, "resident"),
+        ("zero_user", torch.bfloat16, "resident"),
+        ("exclude_best", torch.float32, "resident"),
+        ("tiny", torch.bfloat16, "resident"),
     ],
 )
 def test_kernels_equal_exact_top_k_on_the_interpreter(
-    kernels: Any, name: str, dtype: torch.dtype, flat: bool
+    kernels: Any, name: str, dtype: torch.dtype, flat: bool | str
 ) -> None:
     users, table, exclude, k = case(name)
-    config = kernels.LaunchConfig(16, 16, 16, num_warps=4, flat=flat)  # 2 K steps per tile
+    resident = flat == "resident"
+    config = kernels.LaunchConfig(  # 2 K steps per tile
+        16, 16, 16, num_warps=4, flat=flat is True, resident=resident
+    )
     got_s, got_i, counts = kernels.launch_retrieval(
         users.to(dtype), table.to(dtype), exclude, k, FIRST, config, programs=3, merge_window=32
     )
@@ -295,7 +305,12 @@ def test_fused_equals_mm_topk_over_1m_items(
     catalog: dict[torch.dtype, torch.Tensor], batch: int, dtype: torch.dtype
 ) -> None:
     """The op (the fused kernels), their flat select loop, and the score scan."""
-    from streamrec.models.retrieval import default_config, fused_retrieve, launch_retrieval
+    from streamrec.models.retrieval import (
+        default_config,
+        fused_retrieve,
+        launch_retrieval,
+        resident_config,
+    )
     from streamrec.models.score_scan import launch_score_scan
 
     table = catalog[dtype]
@@ -308,11 +323,17 @@ def test_fused_equals_mm_topk_over_1m_items(
     flat_differ = assert_top_k(users, table, exclude, (flat_s.to(dtype), flat_i), K)
     scan_s, scan_i, scan_counts = launch_score_scan(users, table, exclude, K, FIRST)
     scan_differ = assert_top_k(users, table, exclude, (scan_s.to(dtype), scan_i), K)
+    resident = resident_config(batch, dtype, DIM)
+    resident_differ = -1
+    if resident is not None:  # bf16: the users' tile in shared memory
+        res_s, res_i, _ = launch_retrieval(users, table, exclude, K, FIRST, resident)
+        resident_differ = assert_top_k(users, table, exclude, (res_s.to(dtype), res_i), K)
     counts = launch_retrieval(users, table, exclude, K, FIRST)[2].sum(1).float()
     scan_counts = scan_counts.sum(1).float()
     print(
         f"B={batch} {dtype}: rows differing from topk (boundary ties): op {differ}, flat "
-        f"{flat_differ}, scan {scan_differ} of {batch * K}; candidates per user mean (max): "
+        f"{flat_differ}, resident {resident_differ}, scan {scan_differ} of {batch * K}; "
+        "candidates per user mean (max): "
         f"scan {scan_counts.mean():.0f} ({scan_counts.max():.0f}), fused "
         f"{counts.mean():.0f} ({counts.max():.0f})"
     )
@@ -324,13 +345,18 @@ def test_fused_equals_mm_topk_over_1m_items(
 @torch.no_grad()
 def test_fused_top_few_equal_mm_topk(catalog: dict[torch.dtype, torch.Tensor], k: int) -> None:
     """Greedy generation retrieves k = 1 (a one-lane tl.topk failed to compile on the
-    H200 before the kernels kept at least two lanes)."""
-    from streamrec.models.retrieval import fused_retrieve
+    H200 before the kernels kept at least two lanes); the resident select too."""
+    from streamrec.models.retrieval import fused_retrieve, launch_retrieval, resident_config
 
     table = catalog[torch.bfloat16]
     users, exclude = users_and_exclusions(table, 64, seed=k)
     assert fused_retrieval_enabled("auto", users, table, k, FIRST)
     assert_top_k(users, table, exclude, fused_retrieve(users, table, exclude, k, FIRST), k)
+    resident = resident_config(320, torch.bfloat16, DIM)  # the verify's 5 rows per user
+    assert resident is not None
+    many, many_ex = users_and_exclusions(table, 320, seed=k + 10)
+    got_s, got_i, _ = launch_retrieval(many, table, many_ex, k, FIRST, resident)
+    assert_top_k(many, table, many_ex, (got_s.bfloat16(), got_i), k)
 
 
 @pytest.mark.gpu
