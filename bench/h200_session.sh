@@ -346,8 +346,6 @@ json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[
         | grep -E "differing|passed|failed|Error" | tail -12
       python3 -m bench.retrieval_bench --batches 64 256 --out "$OUT" 2>&1 | tail -22
       python3 -m bench.retrieval_bench --k 1 --dim 512 --batches 64 320 --sweep-batch 0 \
-        --out "$OUT" 2>&1 | tail -10
-      python3 -m bench.retrieval_bench --k 1 --dim 64 --batches 64 256 --sweep-batch 0 \
         --out "$OUT" 2>&1 | tail -10 ;;
     retrieval)  # retrieval top-k: its gpu tests, then mm + topk, mm alone, fused, scan (issue 14.4)
       python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider 2>&1 \

@@ -50,13 +50,8 @@ SWEEP = (
     (128, 128, 64, 8, 3, 2, False, True),
     (128, 128, 64, 8, 3, 2, False, False),
     (128, 128, 64, 8, 3, 2, True, True),
-    (128, 128, 64, 8, 3, 2, True, False),
-    (128, 128, 64, 8, 4, 1, False, True),
-    (64, 256, 64, 8, 3, 2, False, True),
-    (128, 256, 64, 8, 3, 1, False, True),
     (64, 128, 64, 4, 4, 2, True, True),
-    (64, 128, 64, 4, 4, 2, False, True),
-)
+)  # (the other tile shapes lost in the fourteenth and fifteenth sessions' sweeps)
 # block_b, block_v, warps, stages of the resident select (resident_select.py)
 RESIDENT_SWEEP = ((128, 32, 8, 3), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 4))
 
