@@ -101,3 +101,37 @@ if triton is not None:
                     counts = masked_counts(acc, cols, thr, slots, cnt_ptr, sc_ptr, ix_ptr,
                                            BLOCK_B, BLOCK_V, CAP)  # fmt: skip
                 cnt = tl.maximum(cnt, tl.max(counts, axis=1))
+
+    @triton.jit
+    def resident_sample_kernel(
+        u_ptr, t_ptr, gmax_ptr, num_users, num_items, first, num_groups, num_sampled,
+        sampled_per_chunk, stride_u, stride_t,
+        D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, IEEE: tl.constexpr,
+        GROUP: tl.constexpr, EVERY: tl.constexpr,
+    ):  # fmt: skip
+        """The threshold pass with the users' tile resident: maxima of groups of GROUP
+        items over every EVERY-th tile of BLOCK_V items, sampled tiles ``program_id(1)``
+        x ``sampled_per_chunk`` on (any sample of whole groups bounds the threshold)."""
+        rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        row_ok = rows < num_users
+        offs_d = tl.arange(0, D)
+        u_at = u_ptr + rows.to(tl.int64)[:, None] * stride_u + offs_d[None, :]
+        u = tl.load(u_at, mask=row_ok[:, None], other=0.0)  # [BB, D], loaded once
+        if IEEE:
+            u = u.to(tl.float32)
+        lo = tl.program_id(1) * sampled_per_chunk
+        hi = tl.minimum(lo + sampled_per_chunk, num_sampled)
+        gmax_rows = gmax_ptr + rows.to(tl.int64)[:, None] * num_groups  # [BB, 1]
+        for tile in range(lo, hi):
+            cols = first + tile * (BLOCK_V * EVERY) + tl.arange(0, BLOCK_V)
+            col_ok = cols < num_items
+            t_at = t_ptr + cols.to(tl.int64)[:, None] * stride_t + offs_d[None, :]
+            t = tl.load(t_at, mask=col_ok[:, None], other=0.0)  # [BV, D]
+            if IEEE:
+                acc = tl.dot(u, tl.trans(t.to(tl.float32)), input_precision="ieee")
+            else:
+                acc = tl.dot(u, tl.trans(t))  # [BB, BV] fp32
+            acc = tl.where(col_ok[None, :], acc, float("-inf"))
+            gmax = tl.max(tl.reshape(acc, [BLOCK_B, BLOCK_V // GROUP, GROUP]), axis=2)
+            groups = tile * (BLOCK_V // GROUP) + tl.arange(0, BLOCK_V // GROUP)
+            tl.store(gmax_rows + groups[None, :], gmax, mask=row_ok[:, None])

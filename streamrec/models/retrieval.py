@@ -238,7 +238,7 @@ if triton is not None:
         make_room,
         store_passing,
     )
-    from streamrec.models.resident_select import resident_select_kernel
+    from streamrec.models.resident_select import resident_sample_kernel, resident_select_kernel
     from streamrec.models.topk_merge import launch_merge
 
     @triton.jit
@@ -402,31 +402,41 @@ if triton is not None:
         launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         ieee = user_emb.dtype == torch.float32 or not user_emb.is_cuda
         tile = {"D": dim, "BLOCK_B": bb, "BLOCK_V": bv, "BLOCK_K": cfg.block_k, "IEEE": ieee}
-        if cfg.resident:  # the threshold pass keeps the tile kernel's 128-item tiles
+        if cfg.resident:
             check_resident_fits(bb, bv, cfg.num_stages, dim, user_emb.element_size())
             seg, cap = resident_plan(keep, bv)
-            tile["BLOCK_V"] = max(bv, 128)
         dev = user_emb.device
         u = user_emb.contiguous()
         ex = sorted_exclusions(exclude, num_items)
         ex_steps = num_ex.bit_length() if isinstance(num_ex, int) else EXCLUDE_STEPS
         user_tiles = cdiv(num_users, bb)
 
-        sampled = cdiv(num_items - first_row, tile["BLOCK_V"] * SAMPLE_EVERY)
-        groups = sampled * (tile["BLOCK_V"] // SAMPLE_GROUP)
-        gmax = torch.empty(num_users, groups, device=dev, dtype=torch.float32)
-        torch.library.wrap_triton(_sample_kernel)[(user_tiles, sampled)](
-            u, table, gmax, num_users, num_items, first_row, groups, u.stride(0),
-            table.stride(0), GROUP=SAMPLE_GROUP, EVERY=SAMPLE_EVERY, **tile, **launch,
-        )  # fmt: skip
-        margin = torch.linalg.vector_norm(u.float(), dim=1) * (dim * 2.0**-23)
-        thr = sample_threshold(gmax, k + num_ex, margin).contiguous()  # [B]
-
         if programs is None:
             sms = DEFAULT_SMS
             if dev.type == "cuda":
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
             programs = cfg.programs_per_sm * sms
+        sample_v = bv if cfg.resident else tile["BLOCK_V"]
+        sampled = cdiv(num_items - first_row, sample_v * SAMPLE_EVERY)
+        groups = sampled * (sample_v // SAMPLE_GROUP)
+        gmax = torch.empty(num_users, groups, device=dev, dtype=torch.float32)
+        if cfg.resident:
+            per_chunk = cdiv(sampled, max(1, min(cdiv(programs, user_tiles), sampled)))
+            torch.library.wrap_triton(resident_sample_kernel)[
+                (user_tiles, cdiv(sampled, per_chunk))
+            ](
+                u, table, gmax, num_users, num_items, first_row, groups, sampled, per_chunk,
+                u.stride(0), table.stride(0), D=dim, BLOCK_B=bb, BLOCK_V=bv, IEEE=ieee,
+                GROUP=SAMPLE_GROUP, EVERY=SAMPLE_EVERY, **launch,
+            )  # fmt: skip
+        else:
+            torch.library.wrap_triton(_sample_kernel)[(user_tiles, sampled)](
+                u, table, gmax, num_users, num_items, first_row, groups, u.stride(0),
+                table.stride(0), GROUP=SAMPLE_GROUP, EVERY=SAMPLE_EVERY, **tile, **launch,
+            )  # fmt: skip
+        margin = torch.linalg.vector_norm(u.float(), dim=1) * (dim * 2.0**-23)
+        thr = sample_threshold(gmax, k + num_ex, margin).contiguous()  # [B]
+
         tiles = cdiv(num_items - first_row, bv)
         chunks, chunk_tiles = select_chunks(user_tiles, tiles, programs)
         if isinstance(num_users, int) and num_users * chunks * cap >= 2**31:
