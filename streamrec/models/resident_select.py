@@ -60,6 +60,29 @@ if triton is not None:
     from streamrec.models.region_append import branched_counts, make_room, masked_counts
 
     @triton.jit
+    def _users(u_ptr, rows, row_ok, stride_u, D: tl.constexpr, IEEE: tl.constexpr):
+        """The users' tile [BB, D] (the dot's loop-invariant operand: Triton copies it into
+        shared memory once, outside the item loop)."""
+        u_at = u_ptr + rows.to(tl.int64)[:, None] * stride_u + tl.arange(0, D)[None, :]
+        u = tl.load(u_at, mask=row_ok[:, None], other=0.0)
+        if IEEE:  # (fp32 inputs, or the CPU interpreter, whose bf16 dot is wrong)
+            u = u.to(tl.float32)
+        return u
+
+    @triton.jit
+    def _item_scores(u, t_ptr, cols, num_items, stride_t, D: tl.constexpr, IEEE: tl.constexpr):
+        """fp32 scores [BB, BV] of the resident users ``u`` [BB, D] x items ``cols``, one
+        dot over all of D; -inf past V."""
+        col_ok = cols < num_items
+        t_at = t_ptr + cols.to(tl.int64)[:, None] * stride_t + tl.arange(0, D)[None, :]
+        t = tl.load(t_at, mask=col_ok[:, None], other=0.0)  # [BV, D]
+        if IEEE:
+            acc = tl.dot(u, tl.trans(t.to(tl.float32)), input_precision="ieee")
+        else:
+            acc = tl.dot(u, tl.trans(t))
+        return tl.where(col_ok[None, :], acc, float("-inf"))
+
+    @triton.jit
     def resident_select_kernel(
         u_ptr, t_ptr, thr_ptr, ex_ptr, cnt_ptr, sc_ptr, ix_ptr, num_users, num_items, first,
         num_chunks, chunk_tiles, stride_u, stride_t, stride_ex, num_ex, ex_steps,
@@ -72,11 +95,7 @@ if triton is not None:
         row_ok = rows < num_users
         thr = tl.load(thr_ptr + rows, mask=row_ok, other=float("inf"))  # [BB]
         slots = rows * num_chunks + chunk  # [BB] (user, chunk); int32 offsets (host check)
-        offs_d = tl.arange(0, D)
-        u_at = u_ptr + rows.to(tl.int64)[:, None] * stride_u + offs_d[None, :]
-        u = tl.load(u_at, mask=row_ok[:, None], other=0.0)  # [BB, D], loaded once
-        if IEEE:  # (fp32 inputs, or the CPU interpreter, whose bf16 dot is wrong)
-            u = u.to(tl.float32)
+        u = _users(u_ptr, rows, row_ok, stride_u, D, IEEE)  # [BB, D], loaded once
         cnt = tl.zeros([BLOCK_B], dtype=tl.int32)  # a row's count since its last check
         start = first + chunk * chunk_tiles * BLOCK_V
         stop = tl.minimum(start + chunk_tiles * BLOCK_V, num_items)
@@ -87,14 +106,7 @@ if triton is not None:
             )  # fmt: skip
             for v0 in range(run, tl.minimum(run + SEG * BLOCK_V, stop), BLOCK_V):
                 cols = v0 + tl.arange(0, BLOCK_V)
-                col_ok = cols < num_items
-                t_at = t_ptr + cols.to(tl.int64)[:, None] * stride_t + offs_d[None, :]
-                t = tl.load(t_at, mask=col_ok[:, None], other=0.0)  # [BV, D]
-                if IEEE:
-                    acc = tl.dot(u, tl.trans(t.to(tl.float32)), input_precision="ieee")
-                else:
-                    acc = tl.dot(u, tl.trans(t))  # [BB, BV] fp32
-                acc = tl.where(col_ok[None, :], acc, float("-inf"))
+                acc = _item_scores(u, t_ptr, cols, num_items, stride_t, D, IEEE)  # [BB, BV]
                 if BRANCH:
                     counts = branched_counts(acc, cols, thr, slots, cnt_ptr, sc_ptr, ix_ptr, CAP)
                 else:
@@ -114,24 +126,13 @@ if triton is not None:
         x ``sampled_per_chunk`` on (any sample of whole groups bounds the threshold)."""
         rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
         row_ok = rows < num_users
-        offs_d = tl.arange(0, D)
-        u_at = u_ptr + rows.to(tl.int64)[:, None] * stride_u + offs_d[None, :]
-        u = tl.load(u_at, mask=row_ok[:, None], other=0.0)  # [BB, D], loaded once
-        if IEEE:
-            u = u.to(tl.float32)
+        u = _users(u_ptr, rows, row_ok, stride_u, D, IEEE)  # [BB, D], loaded once
         lo = tl.program_id(1) * sampled_per_chunk
         hi = tl.minimum(lo + sampled_per_chunk, num_sampled)
         gmax_rows = gmax_ptr + rows.to(tl.int64)[:, None] * num_groups  # [BB, 1]
         for tile in range(lo, hi):
             cols = first + tile * (BLOCK_V * EVERY) + tl.arange(0, BLOCK_V)
-            col_ok = cols < num_items
-            t_at = t_ptr + cols.to(tl.int64)[:, None] * stride_t + offs_d[None, :]
-            t = tl.load(t_at, mask=col_ok[:, None], other=0.0)  # [BV, D]
-            if IEEE:
-                acc = tl.dot(u, tl.trans(t.to(tl.float32)), input_precision="ieee")
-            else:
-                acc = tl.dot(u, tl.trans(t))  # [BB, BV] fp32
-            acc = tl.where(col_ok[None, :], acc, float("-inf"))
+            acc = _item_scores(u, t_ptr, cols, num_items, stride_t, D, IEEE)  # [BB, BV]
             gmax = tl.max(tl.reshape(acc, [BLOCK_B, BLOCK_V // GROUP, GROUP]), axis=2)
             groups = tile * (BLOCK_V // GROUP) + tl.arange(0, BLOCK_V // GROUP)
             tl.store(gmax_rows + groups[None, :], gmax, mask=row_ok[:, None])
