@@ -90,6 +90,8 @@ MODEL_CODE = (
     "streamrec.models.prefill_kernels",
     "streamrec.models.time_bias_kernels",
     "streamrec.models.retrieval",
+    "streamrec.models.region_append",
+    "streamrec.models.resident_select",
     "streamrec.models.topk_merge",
     "streamrec.models.scratch_extend",
     "streamrec.models.config",
