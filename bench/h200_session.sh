@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|pipelines|select20|select20q|cand19|untimed18|prefill-tr|readback|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|pipelines|select20|select20q|select20s|cand19|untimed18|prefill-tr|readback|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -354,6 +354,9 @@ json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[
       python3 -m bench.retrieval_bench --batches 256 64 --sweep-batch 0 --out "$OUT" 2>&1 | tail -16
       python3 -m bench.retrieval_bench --k 1 --dim 512 --batches 320 --sweep-batch 0 \
         --out "$OUT" 2>&1 | tail -9 ;;
+    select20s)  # select20q's bench rows alone (~1.5 min; rows_differ checks them against topk)
+      python3 -m bench.retrieval_bench --batches 256 64 --sweep-batch 0 --iters 20 \
+        --out "$OUT" 2>&1 | tail -16 ;;
     retrieval)  # retrieval top-k: its gpu tests, then mm + topk, mm alone, fused, scan (issue 14.4)
       python3 -m pytest -q -s -m gpu tests/models/test_retrieval.py -p no:cacheprovider 2>&1 \
         | tee "$OUT/retrieval_tests.log" | grep -E "B=|aoti|passed|failed|Error" | tail -20
