@@ -340,15 +340,16 @@ json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[
       python3 -m bench.retrieval_bench --batches 64 256 --out "$OUT" 2>&1 | tail -14 ;;
     select20)  # twentieth session: the select kernel's branched append (a score that does not
       # pass costs a compare and a branch; sm_90a 252 -> 232 registers) and the resident
-      # select (the users' tile in shared memory, resident_select.py): their gpu tests (the
-      # PTX path is CUDA-only), then the bench, the masked append beside them in one run
+      # select (the users' tile in shared memory, resident_select.py), both opt-in: their
+      # gpu tests (the first run of the PTX path, CUDA-only), then the bench rows fused (the
+      # op's default, masked), fused_branch and fused_resident in one run
       python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_retrieval.py 2>&1 \
         | grep -E "differing|passed|failed|Error" | tail -12
       python3 -m bench.retrieval_bench --batches 64 256 --out "$OUT" 2>&1 | tail -22
       python3 -m bench.retrieval_bench --k 1 --dim 512 --batches 64 320 --sweep-batch 0 \
         --out "$OUT" 2>&1 | tail -10 ;;
     select20q)  # select20 in ~3 min: the bf16 gpu tests, the op's rows at batch 256 and 64
-      # (fused = the branched append, fused_masked = before it, fused_resident), the verify
+      # (fused = the default, masked; fused_branch; fused_resident), the verify's 320 rows
       python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_retrieval.py \
         -k "bfloat16 or top_few" 2>&1 | grep -E "differing|passed|failed|Error" | tail -8
       python3 -m bench.retrieval_bench --batches 256 64 --sweep-batch 0 --out "$OUT" 2>&1 | tail -16

@@ -343,7 +343,7 @@ RESIDENT_LAUNCHES = ((128, 32, 8, 3), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 
 
 def select_main() -> int:
     for bb, bv, warps, stages in RESIDENT_LAUNCHES:
-        cfg = rt.LaunchConfig(bb, bv, 64, warps, stages, 1, resident=True)
+        cfg = rt.LaunchConfig(bb, bv, 64, warps, stages, 1, branch=True, resident=True)
         row = resources(compile_resident(cfg))
         row["programs_per_sm"] = programs_per_sm(row, warps)
         _print_row(f"select B{bb} V{bv} w{warps} s{stages} resident branch", row)

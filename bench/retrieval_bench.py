@@ -5,7 +5,7 @@ All run inside CUDA graphs (``graphed``: one replay per call), with 16 exclusion
 user and the first 17 rows blocked (the model's padding and OOV rows), as
 ``HSTU.retrieve`` does. Rows: ``op`` = ``retrieve`` with ``impl`` ``mm_topk``,
 ``mm_only`` (the GEMM alone: the scan's floor), ``fused`` (``retrieval.launch_retrieval``),
-``fused_masked`` (the same with the masked append it had before the branched one),
+``fused_branch`` (the same with the branched append, ``region_append.py``),
 ``fused_resident`` (``retrieval.resident_config``: the users' tile in shared memory)
 or ``scan`` (``score_scan.launch_score_scan``): µs per call and per user, speedup against
 mm + topk, TFLOP/s of the GEMM part, how many rows differ from topk's — ties at the k-th
@@ -47,8 +47,8 @@ NUM_EXCLUDED = 16
 FIRST = 17
 # block_b, block_v, block_k, warps, stages, programs per SM, flat, branch (first: default)
 SWEEP = (
-    (128, 128, 64, 8, 3, 2, False, True),
     (128, 128, 64, 8, 3, 2, False, False),
+    (128, 128, 64, 8, 3, 2, False, True),
     (128, 128, 64, 8, 3, 2, True, True),
     (64, 128, 64, 4, 4, 2, True, True),
 )  # (the other tile shapes lost in the fourteenth and fifteenth sessions' sweeps)
@@ -82,8 +82,8 @@ def batch_rows(
     base = _us(lambda: retrieval.retrieve_reference(users, table, exclude, k, FIRST), iters)
     want = retrieval.retrieve_reference(users, table, exclude, k, FIRST)[1]
     flop = 2.0 * batch * table.shape[0] * table.shape[1]
-    masked = dataclasses.replace(
-        retrieval.default_config(batch, table.dtype, table.shape[1]), branch=False
+    branched = dataclasses.replace(
+        retrieval.default_config(batch, table.dtype, table.shape[1]), branch=True
     )
 
     def row(impl: str, us: float, **extra: object) -> dict[str, object]:
@@ -95,9 +95,9 @@ def batch_rows(
     rows.append(row("mm_only", _us(lambda: users @ table[FIRST:].t(), iters)))
     impls: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
         "fused": partial(retrieval.launch_retrieval, users, table, exclude, k, FIRST),
-        # the default tile with the masked append (the op before the branched one)
-        "fused_masked": partial(
-            retrieval.launch_retrieval, users, table, exclude, k, FIRST, masked
+        # the default tile with the branched append (region_append.py)
+        "fused_branch": partial(
+            retrieval.launch_retrieval, users, table, exclude, k, FIRST, branched
         ),
         "scan": partial(score_scan.launch_score_scan, users, table, exclude, k, FIRST),
     }
@@ -131,7 +131,8 @@ def sweep_rows(
         )
     for bb, bv, warps, stages in RESIDENT_SWEEP:
         name = f"B{bb} V{bv} w{warps} s{stages} resident branch"
-        configs.append((name, retrieval.LaunchConfig(bb, bv, 64, warps, stages, 1, resident=True)))
+        cfg = retrieval.LaunchConfig(bb, bv, 64, warps, stages, 1, branch=True, resident=True)
+        configs.append((name, cfg))
     rows: list[dict[str, object]] = []
     for name, cfg in configs:
         try:

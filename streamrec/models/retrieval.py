@@ -91,8 +91,9 @@ class LaunchConfig:
     flat: bool = False
     # (CUDA only; the interpreter runs no PTX) each score above its threshold appended
     # under a branch, so that a score that does not pass costs a compare and a branch
-    # instead of the masked atomic and stores' dozen instructions (the default loop)
-    branch: bool = True
+    # instead of the masked atomic and stores' dozen instructions; opt-in until its gpu
+    # tests have run (BENCHMARKS.md, issue 14, twentieth session)
+    branch: bool = False
     # The users' [block_b, D] tile loaded once into shared memory and the item chunk
     # streamed one [block_v, D] tile per iteration (``resident_select.py``; block_k is
     # then the threshold pass's only)
@@ -132,7 +133,9 @@ def resident_config(batch: int, dtype: torch.dtype, dim: int) -> LaunchConfig | 
         for stages in (3, 2):
             if (block_b + stages * block_v) * dim * 2 <= SHARED_BYTES:
                 warps = 4 if block_b == 64 else 8
-                return LaunchConfig(block_b, block_v, 64, warps, stages, 1, resident=True)
+                return LaunchConfig(
+                    block_b, block_v, 64, warps, stages, 1, branch=True, resident=True
+                )
     return None
 
 

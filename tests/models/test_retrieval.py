@@ -318,6 +318,9 @@ def test_fused_equals_mm_topk_over_1m_items(
     assert fused_retrieval_enabled("auto", users, table, K, FIRST)
     got = fused_retrieve(users, table, exclude, K, FIRST)
     differ = assert_top_k(users, table, exclude, got, K)
+    branched = dataclasses.replace(default_config(batch, dtype, DIM), branch=True)
+    br_s, br_i, _ = launch_retrieval(users, table, exclude, K, FIRST, branched)
+    branch_differ = assert_top_k(users, table, exclude, (br_s.to(dtype), br_i), K)
     flat = dataclasses.replace(default_config(batch, dtype, DIM), flat=True)
     flat_s, flat_i, _ = launch_retrieval(users, table, exclude, K, FIRST, flat)
     flat_differ = assert_top_k(users, table, exclude, (flat_s.to(dtype), flat_i), K)
@@ -332,7 +335,8 @@ def test_fused_equals_mm_topk_over_1m_items(
     scan_counts = scan_counts.sum(1).float()
     print(
         f"B={batch} {dtype}: rows differing from topk (boundary ties): op {differ}, flat "
-        f"{flat_differ}, resident {resident_differ}, scan {scan_differ} of {batch * K}; "
+        f"{flat_differ}, branch {branch_differ}, resident {resident_differ}, scan "
+        f"{scan_differ} of {batch * K}; "
         "candidates per user mean (max): "
         f"scan {scan_counts.mean():.0f} ({scan_counts.max():.0f}), fused "
         f"{counts.mean():.0f} ({counts.max():.0f})"
