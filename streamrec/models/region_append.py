@@ -169,17 +169,3 @@ if triton is not None:
             )  # fmt: skip
             tl.debug_barrier()
         return thr
-
-    @triton.jit
-    def masked_counts(acc, cols, thr, slots, cnt_ptr, sc_ptr, ix_ptr, BLOCK_B: tl.constexpr,
-                       BLOCK_V: tl.constexpr, CAP: tl.constexpr):  # fmt: skip
-        """``branched_counts`` in Triton's masked form (the interpreter's): the same
-        appends and the same per-score counts."""
-        take = acc > thr[:, None]  # [BB, BV]
-        cnt_ptrs = tl.broadcast_to(cnt_ptr + slots[:, None], [BLOCK_B, BLOCK_V])
-        ones = tl.full([BLOCK_B, BLOCK_V], 1, tl.int32)
-        slot = tl.atomic_add(cnt_ptrs, ones, mask=take, sem="relaxed", scope="cta")
-        dest = slots[:, None] * CAP + slot
-        tl.store(sc_ptr + dest, acc, mask=take)
-        tl.store(ix_ptr + dest, tl.broadcast_to(cols[None, :], [BLOCK_B, BLOCK_V]), mask=take)
-        return tl.where(take, slot + 1, 0)

@@ -57,7 +57,7 @@ def check_resident_fits(block_b: int, block_v: int, stages: int, dim: int, items
 
 
 if triton is not None:
-    from streamrec.models.region_append import branched_counts, make_room, masked_counts
+    from streamrec.models.region_append import branched_counts, make_room, store_passing
 
     @triton.jit
     def _users(u_ptr, rows, row_ok, stride_u, D: tl.constexpr, IEEE: tl.constexpr):
@@ -96,7 +96,7 @@ if triton is not None:
         thr = tl.load(thr_ptr + rows, mask=row_ok, other=float("inf"))  # [BB]
         slots = rows * num_chunks + chunk  # [BB] (user, chunk); int32 offsets (host check)
         u = _users(u_ptr, rows, row_ok, stride_u, D, IEEE)  # [BB, D], loaded once
-        cnt = tl.zeros([BLOCK_B], dtype=tl.int32)  # a row's count since its last check
+        cnt = tl.zeros([BLOCK_B], dtype=tl.int32)  # a row's count (at least) since its last check
         start = first + chunk * chunk_tiles * BLOCK_V
         stop = tl.minimum(start + chunk_tiles * BLOCK_V, num_items)
         for run in range(start, stop, SEG * BLOCK_V):
@@ -109,10 +109,10 @@ if triton is not None:
                 acc = _item_scores(u, t_ptr, cols, num_items, stride_t, D, IEEE)  # [BB, BV]
                 if BRANCH:
                     counts = branched_counts(acc, cols, thr, slots, cnt_ptr, sc_ptr, ix_ptr, CAP)
-                else:
-                    counts = masked_counts(acc, cols, thr, slots, cnt_ptr, sc_ptr, ix_ptr,
-                                           BLOCK_B, BLOCK_V, CAP)  # fmt: skip
-                cnt = tl.maximum(cnt, tl.max(counts, axis=1))
+                    cnt = tl.maximum(cnt, tl.max(counts, axis=1))
+                else:  # (the interpreter's: it runs no PTX)
+                    cnt = store_passing(acc, cols, thr, cnt, slots, cnt_ptr, sc_ptr, ix_ptr,
+                                        BLOCK_B, BLOCK_V, CAP)  # fmt: skip
 
     @triton.jit
     def resident_sample_kernel(
