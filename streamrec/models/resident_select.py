@@ -43,12 +43,17 @@ def resident_plan(keep: int, block_v: int) -> tuple[int, int]:
     return max(1, (cap - keep) // block_v), cap
 
 
+def shared_bytes(block_b: int, block_v: int, stages: int, dim: int, itemsize: int) -> int:
+    """Shared memory of the users' tile and ``stages`` item tiles."""
+    return (block_b + stages * block_v) * dim * itemsize
+
+
 def check_resident_fits(block_b: int, block_v: int, stages: int, dim: int, itemsize: int) -> None:
     """The users' tile and ``stages`` item tiles must fit one CTA's shared memory, and D
     must be a power of two (one ``tl.arange`` over it)."""
     if dim & (dim - 1):
         raise ModelError(f"the resident select needs a power-of-two dim, got {dim}")
-    need = (block_b + stages * block_v) * dim * itemsize
+    need = shared_bytes(block_b, block_v, stages, dim, itemsize)
     if need > SHARED_BYTES:
         raise ModelError(
             f"resident select: {block_b} users + {stages} x {block_v} items of {dim} x "

@@ -46,7 +46,12 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from streamrec.errors import ModelError
-from streamrec.models.resident_select import SHARED_BYTES, check_resident_fits, resident_plan
+from streamrec.models.resident_select import (
+    SHARED_BYTES,
+    check_resident_fits,
+    resident_plan,
+    shared_bytes,
+)
 from streamrec.models.topk_merge import (
     DEFAULT_SMS,
     EXCLUDE_STEPS,
@@ -133,7 +138,7 @@ def resident_config(batch: int, dtype: torch.dtype, dim: int) -> LaunchConfig | 
     block_b = 64 if batch <= 64 else 128
     for block_v in (128, 64, 32, 16):
         for stages in (3, 2):
-            if (block_b + stages * block_v) * dim * 2 <= SHARED_BYTES:
+            if shared_bytes(block_b, block_v, stages, dim, dtype.itemsize) <= SHARED_BYTES:
                 warps = 4 if block_b == 64 else 8
                 return LaunchConfig(
                     block_b, block_v, 64, warps, stages, 1, branch=True, resident=True
