@@ -351,7 +351,7 @@ json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[
     select20q)  # select20 in ~3 min: the bf16 gpu tests, the op's rows at batch 256 and 64
       # (fused = the default, masked; fused_branch; fused_resident), the verify's 320 rows
       python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_retrieval.py \
-        -k "bfloat16 or top_few" 2>&1 | grep -E "differing|passed|failed|Error" | tail -8
+        -k "bf16 or top_few or ties" 2>&1 | grep -E "differing|passed|failed|Error" | tail -8
       python3 -m bench.retrieval_bench --batches 256 64 --sweep-batch 0 --out "$OUT" 2>&1 | tail -16
       python3 -m bench.retrieval_bench --k 1 --dim 512 --batches 320 --sweep-batch 0 \
         --out "$OUT" 2>&1 | tail -9 ;;

@@ -298,7 +298,7 @@ def assert_top_k(
 
 @pytest.mark.gpu
 @CUDA_ONLY
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [1, 64, 256])
 @torch.no_grad()
 def test_fused_equals_mm_topk_over_1m_items(
@@ -369,7 +369,7 @@ def test_fused_top_few_equal_mm_topk(catalog: dict[torch.dtype, torch.Tensor], k
 def test_fused_orders_ties_by_index_through_compaction() -> None:
     """3,000 copies of user 0's direction (one chunk's region overflows and is compacted)
     and a zero user (every score 0): both get the lowest non-excluded rows in order."""
-    from streamrec.models.retrieval import fused_retrieve
+    from streamrec.models.retrieval import fused_retrieve, launch_retrieval, resident_config
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     table = F.normalize(torch.randn(200_000, 128, device="cuda", generator=gen), dim=-1)
@@ -385,6 +385,10 @@ def test_fused_orders_ties_by_index_through_compaction() -> None:
     rows1 = [r for r in range(FIRST, FIRST + K + 2) if r not in (FIRST, FIRST + 10)][:K]
     assert idx[1].tolist() == rows1 and bool((scores[1] == 0).all())
     assert_top_k(users[2:], table, exclude[2:], (scores[2:], idx[2:]), K)
+    resident = resident_config(3, torch.bfloat16, 128)  # the same ties, resident select
+    assert resident is not None
+    res_s, res_i, _ = launch_retrieval(users, table, exclude, K, FIRST, resident)
+    assert torch.equal(res_i, idx) and torch.equal(res_s.bfloat16(), scores)
 
 
 @pytest.mark.gpu
