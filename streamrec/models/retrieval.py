@@ -128,14 +128,15 @@ def default_config(batch: int | torch.SymInt, dtype: torch.dtype, dim: int) -> L
     return LaunchConfig(128, 128, block_k, 8, 3)
 
 
-def resident_config(batch: int, dtype: torch.dtype, dim: int) -> LaunchConfig | None:
+def resident_config(batch: int | torch.SymInt, dtype: torch.dtype, dim: int) -> LaunchConfig | None:
     """The resident select's tile for this call, or None where it does not apply (fp32,
     whose IEEE dots would double the shared memory; a dim that is not a power of two):
-    64 users for a batch of <= 64 (one tile: the table is read once), else 128, and the
-    widest item tile that fits beside them in 3 stages, or in 2."""
+    64 users for a batch of <= 64 (one tile: the table is read once), else (a symbolic
+    batch, under export, too) 128, and the widest item tile that fits beside them in 3
+    stages, or in 2."""
     if dtype == torch.float32 or dim & (dim - 1) or dim < 16:
         return None
-    block_b = 64 if batch <= 64 else 128
+    block_b = 64 if isinstance(batch, int) and batch <= 64 else 128
     for block_v in (128, 64, 32, 16):
         for stages in (3, 2):
             if shared_bytes(block_b, block_v, stages, dim, dtype.itemsize) <= SHARED_BYTES:

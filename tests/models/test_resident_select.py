@@ -39,5 +39,7 @@ def test_resident_config_picks_the_widest_item_tile_that_fits() -> None:
     assert (small.block_b, small.block_v, small.num_stages, small.num_warps) == (64, 64, 2, 4)
     draft = resident_config(64, torch.float16, 64)  # a draft's D = 64
     assert draft is not None and (draft.block_v, draft.num_stages) == (128, 3)
+    exported = resident_config(object(), torch.bfloat16, 512)  # type: ignore[arg-type]
+    assert exported is not None and exported.block_b == 128  # a symbolic batch (export)
     assert resident_config(256, torch.float32, 512) is None  # IEEE dots: twice the bytes
     assert resident_config(256, torch.bfloat16, 96) is None
