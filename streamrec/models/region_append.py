@@ -74,6 +74,17 @@ if triton is not None:
         return cnt + tl.sum(take.to(tl.int32), axis=1)
 
     @triton.jit
+    def program_regions(thr_ptr, num_users, num_chunks, BLOCK_B: tl.constexpr):
+        """A select program's users ``program_id(0)`` and chunk ``program_id(1)``: (rows,
+        chunk, row_ok, thresholds, region slots), each [BB] but chunk."""
+        rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        chunk = tl.program_id(1)
+        row_ok = rows < num_users
+        thr = tl.load(thr_ptr + rows, mask=row_ok, other=float("inf"))
+        slots = rows * num_chunks + chunk  # (user, chunk); int32 offsets (host check)
+        return rows, chunk, row_ok, thr, slots
+
+    @triton.jit
     def make_room(
         thr, cnt, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex, num_ex,
         ex_steps, BLOCK_B: tl.constexpr, ROOM: tl.constexpr, CAP: tl.constexpr,
@@ -161,11 +172,8 @@ if triton is not None:
         none is summed per tile; rows the next tile could overflow are compacted. Returns
         the new thresholds."""
         counts = branched_counts(acc, cols, thr, slots, cnt_ptr, sc_ptr, ix_ptr, CAP)
-        if tl.max(tl.max(counts, axis=1), axis=0) > CAP - BLOCK_V:
-            tl.debug_barrier()
-            thr = compact_regions(
-                thr, rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr, ex_ptr, stride_ex,
-                num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
-            )  # fmt: skip
-            tl.debug_barrier()
+        thr, _ = make_room(
+            thr, tl.max(counts, axis=1), rows, slots, num_users, cnt_ptr, sc_ptr, ix_ptr,
+            ex_ptr, stride_ex, num_ex, ex_steps, BLOCK_B, BLOCK_V, CAP, KEEP,
+        )  # fmt: skip
         return thr

@@ -62,7 +62,12 @@ def check_resident_fits(block_b: int, block_v: int, stages: int, dim: int, items
 
 
 if triton is not None:
-    from streamrec.models.region_append import branched_counts, make_room, store_passing
+    from streamrec.models.region_append import (
+        branched_counts,
+        make_room,
+        program_regions,
+        store_passing,
+    )
 
     @triton.jit
     def _users(u_ptr, rows, row_ok, stride_u, D: tl.constexpr, IEEE: tl.constexpr):
@@ -95,11 +100,7 @@ if triton is not None:
         CAP: tl.constexpr, KEEP: tl.constexpr, SEG: tl.constexpr, BRANCH: tl.constexpr,
     ):  # fmt: skip
         """Candidates of users ``program_id(0)`` in item chunk ``program_id(1)``."""
-        rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-        chunk = tl.program_id(1)
-        row_ok = rows < num_users
-        thr = tl.load(thr_ptr + rows, mask=row_ok, other=float("inf"))  # [BB]
-        slots = rows * num_chunks + chunk  # [BB] (user, chunk); int32 offsets (host check)
+        rows, chunk, row_ok, thr, slots = program_regions(thr_ptr, num_users, num_chunks, BLOCK_B)
         u = _users(u_ptr, rows, row_ok, stride_u, D, IEEE)  # [BB, D], loaded once
         cnt = tl.zeros([BLOCK_B], dtype=tl.int32)  # a row's count (at least) since its last check
         start = first + chunk * chunk_tiles * BLOCK_V

@@ -247,6 +247,7 @@ if triton is not None:
         append_masked,
         branched_counts,
         make_room,
+        program_regions,
         store_passing,
     )
     from streamrec.models.resident_select import resident_sample_kernel, resident_select_kernel
@@ -317,11 +318,7 @@ if triton is not None:
         FLAT: tl.constexpr, BRANCH: tl.constexpr = False,
     ):  # fmt: skip
         """Candidates of users ``program_id(0)`` in item chunk ``program_id(1)``."""
-        rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-        chunk = tl.program_id(1)
-        row_ok = rows < num_users
-        thr = tl.load(thr_ptr + rows, mask=row_ok, other=float("inf"))  # [BB]
-        slots = rows * num_chunks + chunk  # [BB] (user, chunk); int32 offsets (host check)
+        rows, chunk, row_ok, thr, slots = program_regions(thr_ptr, num_users, num_chunks, BLOCK_B)
         cnt = tl.zeros([BLOCK_B], dtype=tl.int32)
         start = first + chunk * chunk_tiles * BLOCK_V
         stop = tl.minimum(start + chunk_tiles * BLOCK_V, num_items)
