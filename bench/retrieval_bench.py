@@ -187,7 +187,7 @@ def main() -> int:
             "default": {
                 b: str(retrieval.default_config(b, torch.bfloat16, args.dim)) for b in args.batches
             },
-            "sample_every": retrieval.SAMPLE_EVERY,
+            "sample_every": retrieval.sample_every(args.k),
             "merge_window": MERGE_WINDOW,
         },
         "wall_s": round(time.perf_counter() - t0, 1),

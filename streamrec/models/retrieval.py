@@ -10,11 +10,12 @@ item chunk, one scan keeps the candidates) was built to beat them and lost on th
 at batch 64, even at batch 1 and the verify's 320 rows at k 1); it stays as the side by
 side in ``bench/retrieval_bench.py``. The algorithm here:
 
-1. **Threshold.** A sample — every ``SAMPLE_EVERY``-th tile of ``BLOCK_V`` items — is
+1. **Threshold.** A sample — every ``sample_every(k)``-th tile of ``BLOCK_V`` items — is
    scored and the maximum of each group of ``SAMPLE_GROUP`` items kept. The
    ``(k + E)``-th largest of those maxima, ``L_b``, bounds the k-th best non-excluded
    score from below: ``k + E`` distinct items score at least ``L_b`` and at most ``E`` of
-   them are excluded. (Expected candidates per user: ~``(k + E) * SAMPLE_EVERY``.)
+   them are excluded. (Expected candidates per user: ~``(k + E) * sample_every(k)``,
+   whatever the group size: only the sampled fraction sets it.)
 2. **Select.** A program scores a tile of users against a chunk of items (``tl.dot``,
    fp32 accumulation) and appends every (score, item) above the user's threshold to its
    own region of a scratch buffer. A region that fills up keeps its top ``KEEP`` entries
@@ -70,7 +71,13 @@ except ImportError:  # pragma: no cover - exercised on the CPU CI machine
     tl = None
 
 OP_RETRIEVE = "streamrec::retrieve_topk"
-SAMPLE_EVERY = 16  # 1 tile in 16 is scored for the threshold
+SAMPLE_EVERY = 16  # at most 1 tile in 16 is scored for the threshold (``sample_every``)
+# Candidates per user the sample aims at: each costs the select an append and the merge a
+# read; a denser sample costs a larger share of the GEMM. On the H100 (1M items, D 512,
+# 2026-12-06) k = 256 ran fastest at 1 tile in 4 (~1,100 candidates: 1.31x against 1 in
+# 16 at batch 256), k = 1 at 1 in 16 (~270); BENCHMARKS.md issue 14, twenty-first session.
+SAMPLE_CANDIDATES = 1536
+NOMINAL_EXCLUDED = 16  # exclusions assumed by ``sample_every`` (an exported E is symbolic)
 SAMPLE_GROUP = 16  # items per sampled maximum
 MAX_K = 1024  # larger k: torch reference
 MIN_FUSED_ITEMS = 1 << 15  # smaller catalogs: mm + topk costs nothing worth fusing
@@ -98,12 +105,13 @@ class LaunchConfig:
     flat: bool = False
     # (CUDA only; the interpreter runs no PTX) each score above its threshold appended
     # under a branch, so that a score that does not pass costs a compare and a branch
-    # instead of the masked atomic and stores' dozen instructions; opt-in until its gpu
-    # tests have run (BENCHMARKS.md, issue 14, twentieth session)
+    # instead of the masked atomic and stores' dozen instructions (BENCHMARKS.md, issue
+    # 14, twentieth and twenty-first sessions)
     branch: bool = False
     # The users' [block_b, D] tile loaded once into shared memory and the item chunk
     # streamed one [block_v, D] tile per iteration (``resident_select.py``; block_k is
-    # then the threshold pass's only)
+    # then the threshold pass's only). Measured slower than the tile kernel (0.96x at
+    # batch 256, 0.84x at 64, H100): it stays opt-in
     resident: bool = False
 
     def __post_init__(self) -> None:
@@ -113,6 +121,16 @@ class LaunchConfig:
                 raise ModelError(f"LaunchConfig.{name}={value} must be a power of two >= 16")
         if self.block_v % SAMPLE_GROUP:
             raise ModelError(f"LaunchConfig.block_v={self.block_v} must be a multiple of 16")
+
+
+def sample_every(k: int) -> int:
+    """1 tile in this many is sampled for the threshold: the sparsest power of two up to
+    ``SAMPLE_EVERY`` whose expected candidates, ``(k + E) * every``, stay within
+    ``SAMPLE_CANDIDATES`` (a function of k alone, so that an export fixes it)."""
+    every = SAMPLE_EVERY
+    while every > 1 and (k + NOMINAL_EXCLUDED) * every > SAMPLE_CANDIDATES:
+        every //= 2
+    return every
 
 
 def default_config(batch: int | torch.SymInt, dtype: torch.dtype, dim: int) -> LaunchConfig:
@@ -125,7 +143,9 @@ def default_config(batch: int | torch.SymInt, dtype: torch.dtype, dim: int) -> L
         return LaunchConfig(64, 128, block_k, 4, 4)
     if batch <= 64:
         return LaunchConfig(16 if small else 32 if batch <= 32 else 64, 128, block_k, 4, 4)
-    return LaunchConfig(128, 128, block_k, 8, 3)
+    # 256-item tiles and the branched append: 1.15x and 1.04x at batch 256 on the H100
+    # (the append 1.3x for the verify's 320 rows at k = 1; at batch 64 it lost, 0.97x)
+    return LaunchConfig(128, 256, block_k, 8, 3, branch=True)
 
 
 def resident_config(batch: int | torch.SymInt, dtype: torch.dtype, dim: int) -> LaunchConfig | None:
@@ -425,7 +445,8 @@ if triton is not None:
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
             programs = cfg.programs_per_sm * sms
         sample_v = bv if cfg.resident else tile["BLOCK_V"]
-        sampled = cdiv(num_items - first_row, sample_v * SAMPLE_EVERY)
+        every = sample_every(k)
+        sampled = cdiv(num_items - first_row, sample_v * every)
         groups = sampled * (sample_v // SAMPLE_GROUP)
         gmax = torch.empty(num_users, groups, device=dev, dtype=torch.float32)
         if cfg.resident:
@@ -435,12 +456,12 @@ if triton is not None:
             ](
                 u, table, gmax, num_users, num_items, first_row, groups, sampled, per_chunk,
                 u.stride(0), table.stride(0), D=dim, BLOCK_B=bb, BLOCK_V=bv, IEEE=ieee,
-                GROUP=SAMPLE_GROUP, EVERY=SAMPLE_EVERY, **launch,
+                GROUP=SAMPLE_GROUP, EVERY=every, **launch,
             )  # fmt: skip
         else:
             torch.library.wrap_triton(_sample_kernel)[(user_tiles, sampled)](
                 u, table, gmax, num_users, num_items, first_row, groups, u.stride(0),
-                table.stride(0), GROUP=SAMPLE_GROUP, EVERY=SAMPLE_EVERY, **tile, **launch,
+                table.stride(0), GROUP=SAMPLE_GROUP, EVERY=every, **tile, **launch,
             )  # fmt: skip
         margin = torch.linalg.vector_norm(u.float(), dim=1) * (dim * 2.0**-23)
         thr = sample_threshold(gmax, k + num_ex, margin).contiguous()  # [B]

@@ -33,11 +33,12 @@ import torch.nn.functional as F
 from streamrec.models.config import HSTUConfig
 from streamrec.models.hstu import HSTU
 from streamrec.models.retrieval import (
-    SAMPLE_EVERY,
     SAMPLE_GROUP,
     NormalizedTable,
+    default_config,
     fused_retrieval_enabled,
     retrieve_reference,
+    sample_every,
 )
 from streamrec.models.topk_merge import next_pow2, pack_keys, sample_threshold, unpack_keys
 from tests.models.retrieval_cases import CASES, FIRST, case, oracle
@@ -57,7 +58,7 @@ def simulate(
     keep, cap = next_pow2(k), next_pow2(next_pow2(k) + block_v)
     ex = exclude.clamp(max=num_items - 1)
     maxima = []
-    for start in range(first, num_items, block_v * SAMPLE_EVERY):
+    for start in range(first, num_items, block_v * sample_every(k)):
         tile = torch.full((num_users, block_v), float("-inf"))
         stop = min(start + block_v, num_items)
         tile[:, : stop - start] = scores[:, start:stop]
@@ -108,6 +109,28 @@ def test_sample_threshold_bounds_the_need_th_maximum() -> None:
     assert torch.equal(thr, torch.nextafter(lower, torch.tensor(float("-inf"))))
     too_few = sample_threshold(maxima, 5, torch.zeros(2))
     assert torch.isneginf(too_few).all()
+
+
+def test_sample_every_aims_at_about_a_thousand_candidates() -> None:
+    assert sample_every(1) == 16  # the verify's k = 1: ~270 candidates per user
+    assert sample_every(64) == 16 and sample_every(96) == 8
+    assert sample_every(256) == 4  # (256 + 16) x 4 = 1,088
+    assert sample_every(4096) == 1  # the whole table, never less
+
+
+def test_a_denser_sample_stays_exact() -> None:
+    users, table, exclude, _ = case("clustered")
+    scores = users @ table.t()
+    for k in (96, 256):  # 1 tile in 8, in 4
+        got_s, got_i = simulate(scores, exclude, k, FIRST, 32, 40)
+        want_s, want_i = oracle(scores, exclude, k, FIRST)
+        assert torch.equal(got_i, want_i) and torch.equal(got_s, want_s)
+
+
+def test_large_batches_default_to_wide_item_tiles_with_the_branched_append() -> None:
+    big = default_config(256, torch.bfloat16, 512)
+    assert (big.block_b, big.block_v, big.branch, big.resident) == (128, 256, True, False)
+    assert not default_config(64, torch.bfloat16, 512).branch  # it lost at batch 64
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -219,6 +242,17 @@ def test_kernels_equal_exact_top_k_on_the_interpreter(
     )
     want_s, want_i = oracle(users @ table.t(), exclude, k, FIRST)
     print(f"{name} {dtype} flat={flat}: candidates per user {counts.sum(1).tolist()}")
+    assert torch.equal(got_i, want_i) and torch.equal(got_s, want_s)
+
+
+def test_wide_item_tiles_and_a_denser_sample_on_the_interpreter(kernels: Any) -> None:
+    """The large-batch default's 256-item tiles, with k = 96 (1 tile in 8 sampled)."""
+    users, table, exclude, _ = case("clustered")
+    config = kernels.LaunchConfig(16, 256, 16, num_warps=4, branch=True)  # no PTX on CPU
+    got_s, got_i, _ = kernels.launch_retrieval(
+        users.bfloat16(), table.bfloat16(), exclude, 96, FIRST, config, programs=3
+    )
+    want_s, want_i = oracle(users @ table.t(), exclude, 96, FIRST)
     assert torch.equal(got_i, want_i) and torch.equal(got_s, want_s)
 
 
