@@ -47,13 +47,18 @@ NUM_EXCLUDED = 16
 FIRST = 17
 # block_b, block_v, block_k, warps, stages, programs per SM, flat, branch (first: default)
 SWEEP = (
-    (128, 128, 64, 8, 3, 2, False, False),
+    (128, 128, 64, 8, 3, 2, False, False),  # the default to the twentieth session
     (128, 128, 64, 8, 3, 2, False, True),
-    (128, 128, 64, 8, 3, 2, True, True),
+    (128, 256, 64, 8, 3, 2, False, True),  # the default for batches > 64 (21st session)
+    (128, 256, 64, 8, 3, 1, False, True),
+    (256, 128, 64, 8, 3, 1, False, True),
     (64, 128, 64, 4, 4, 2, True, True),
 )  # (the other tile shapes lost in the fourteenth and fifteenth sessions' sweeps)
-# block_b, block_v, warps, stages of the resident select (resident_select.py)
-RESIDENT_SWEEP = ((128, 32, 8, 3), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 4))
+# block_b, block_v, warps, stages of the resident select (resident_select.py; it lost to
+# the tile kernel in the twenty-first session)
+RESIDENT_SWEEP = ((128, 32, 8, 3),)
+# 1 tile in this many sampled for the threshold, at the batch's default tile shape
+EVERY_SWEEP = (16, 8, 4, 2)
 
 
 def _inputs(table: torch.Tensor, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,10 +138,17 @@ def sweep_rows(
         name = f"B{bb} V{bv} w{warps} s{stages} resident branch"
         cfg = retrieval.LaunchConfig(bb, bv, 64, warps, stages, 1, branch=True, resident=True)
         configs.append((name, cfg))
+    runs: list[tuple[str, retrieval.LaunchConfig, int | None]] = [
+        (name, cfg, None) for name, cfg in configs
+    ]
+    default = retrieval.default_config(batch, table.dtype, table.shape[1])
+    runs += [(f"default, sample 1 in {every}", default, every) for every in EVERY_SWEEP]
     rows: list[dict[str, object]] = []
-    for name, cfg in configs:
+    for name, cfg, every in runs:
         try:
-            run = partial(retrieval.launch_retrieval, users, table, exclude, k, FIRST, cfg)
+            run = partial(
+                retrieval.launch_retrieval, users, table, exclude, k, FIRST, cfg, every=every
+            )
             us = _us(run, iters)
         except Exception:
             traceback.print_exc()

@@ -413,9 +413,11 @@ if triton is not None:
         config: LaunchConfig | None = None,
         programs: int | None = None,
         merge_window: int = MERGE_WINDOW,
+        every: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The three kernels with an explicit tile shape, number of select programs and
-        merge window (the op uses the defaults; the bench sweeps them). Returns fp32
+        """The three kernels with an explicit tile shape, number of select programs, merge
+        window and sampled fraction (1 tile in ``every``; the op uses the defaults, the
+        bench sweeps them). Returns fp32
         scores [B, k], rows [B, k] int64 and the candidates kept per (user, chunk)
         [B, chunks] int32."""
         num_users, dim = user_emb.shape
@@ -445,7 +447,7 @@ if triton is not None:
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
             programs = cfg.programs_per_sm * sms
         sample_v = bv if cfg.resident else tile["BLOCK_V"]
-        every = sample_every(k)
+        every = every or sample_every(k)
         sampled = cdiv(num_items - first_row, sample_v * every)
         groups = sampled * (sample_v // SAMPLE_GROUP)
         gmax = torch.empty(num_users, groups, device=dev, dtype=torch.float32)
