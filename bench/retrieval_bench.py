@@ -51,6 +51,8 @@ SWEEP = (
     (128, 128, 64, 8, 3, 2, False, True),
     (128, 256, 64, 8, 3, 2, False, True),  # the default for batches > 64 (21st session)
     (128, 256, 64, 8, 3, 1, False, True),
+    (128, 256, 64, 8, 4, 2, False, True),
+    (128, 256, 64, 8, 3, 2, True, True),
     (256, 128, 64, 8, 3, 1, False, True),
     (64, 128, 64, 4, 4, 2, True, True),
 )  # (the other tile shapes lost in the fourteenth and fifteenth sessions' sweeps)
