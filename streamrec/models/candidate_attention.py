@@ -41,11 +41,9 @@ from streamrec.models.paged_attention import (
     paged_silu_attention_reference,
     split_buffers,
 )
+from streamrec.models.triton_lang import tl, triton
 
-try:  # Triton ships with CUDA builds of torch only.
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from streamrec.models.paged_tiles import (
         dot_k_scale,
         dot_tile_kv,
@@ -53,9 +51,6 @@ try:  # Triton ships with CUDA builds of torch only.
         silu_of_half,
         silu_over_n,
     )
-except ImportError:  # pragma: no cover - exercised on the CPU CI machine
-    triton = None
-    tl = None
 
 OP_CANDIDATES = "streamrec::paged_silu_attention_candidates"
 # Launch shape (bench/h200_bench.py sweeps it): BLOCK_M candidates x BLOCK_N keys per

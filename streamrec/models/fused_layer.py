@@ -25,12 +25,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-try:  # Triton ships with CUDA builds of torch only.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on the CPU CI machine
-    triton = None
-    tl = None
+from streamrec.models.triton_lang import tl, triton
 
 OP_PROJECT = "streamrec::norm_linear_silu"
 OP_OUTPUT = "streamrec::gated_norm_linear_residual"

@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton ships with CUDA builds of torch only.
-    import triton
-    import triton.language as tl
+from streamrec.models.triton_lang import tl, triton
 
+if triton is not None:
     from streamrec.models.paged_tiles import (
         dot_k_scale,
         dot_tile_kv,
@@ -52,9 +51,6 @@ try:  # Triton ships with CUDA builds of torch only.
         tile_ts,
         time_table,
     )
-except ImportError:  # pragma: no cover - exercised on the CPU CI machine
-    triton = None
-    tl = None
 
 # New tokens of one user per program (a tl.dot takes 16 rows at least) and cached keys per
 # tile of those programs. Chosen offline (ptxas for sm_90, bench/kernel_resources.py):

@@ -63,11 +63,9 @@ from streamrec.models.multi_query_attention import (
     busy_programs,
     chunk_programs,
 )
+from streamrec.models.triton_lang import tl, triton
 
-try:  # Triton ships with CUDA builds of torch only.
-    import triton
-    import triton.language as tl
-
+if triton is not None:
     from streamrec.models.multi_query_attention import multi_query_chunk, token_chunk
     from streamrec.models.paged_tiles import (
         finish_tile,
@@ -76,9 +74,6 @@ try:  # Triton ships with CUDA builds of torch only.
         tile_kv_ts,
         time_table,
     )
-except ImportError:  # pragma: no cover - exercised on the CPU CI machine
-    triton = None
-    tl = None
 
 OP_DECODE = "streamrec::paged_silu_attention"
 # Launch shape (bench/h200_bench.py sweeps it, BENCHMARKS.md). About TARGET_PROGRAMS

@@ -38,13 +38,7 @@ import torch
 from streamrec.errors import ModelError
 from streamrec.models.paged_attention import fast_silu_allowed
 from streamrec.models.time_bias_kernels import NUM_CELLS, POS_PAD
-
-try:  # Triton ships with CUDA builds of torch only.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on the CPU CI machine
-    triton = None
-    tl = None
+from streamrec.models.triton_lang import tl, triton
 
 # Launch shapes (bench/h200_bench.py sweeps them; BENCHMARKS.md has the H200 figures).
 # BLOCK_N = 64 spills inside the key loop at 255 registers (ptxas, sm_90a). Of the shapes

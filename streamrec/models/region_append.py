@@ -18,12 +18,7 @@ rarely.
 
 from __future__ import annotations
 
-try:  # Triton ships with CUDA builds of torch only.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on the CPU CI machine
-    triton = None
-    tl = None
+from streamrec.models.triton_lang import tl, triton
 
 if triton is not None:
     from streamrec.models.topk_merge import top_of_region, unpack

@@ -23,13 +23,7 @@ from __future__ import annotations
 
 from streamrec.errors import ModelError
 from streamrec.models.topk_merge import next_pow2
-
-try:  # Triton ships with CUDA builds of torch only.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on the CPU CI machine
-    triton = None
-    tl = None
+from streamrec.models.triton_lang import tl, triton
 
 # Items a program scores between two checks of its regions (the regions hold that many
 # past KEEP, so that no check is needed inside a run).

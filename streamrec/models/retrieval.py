@@ -62,13 +62,7 @@ from streamrec.models.topk_merge import (
     sample_threshold,
     sorted_exclusions,
 )
-
-try:  # Triton ships with CUDA builds of torch only.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on the CPU CI machine
-    triton = None
-    tl = None
+from streamrec.models.triton_lang import tl, triton
 
 OP_RETRIEVE = "streamrec::retrieve_topk"
 SAMPLE_EVERY = 16  # at most 1 tile in 16 is scored for the threshold (``sample_every``)

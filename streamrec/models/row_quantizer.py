@@ -22,14 +22,11 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from streamrec.models.fp8 import FP8, FP8_MAX, quantize
+from streamrec.models.triton_lang import tl, triton
 
-try:  # Triton ships with CUDA builds of torch only.
-    import triton
-    import triton.language as tl
+if triton is not None:
     from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover - exercised on the CPU CI machine
-    triton = None
-    tl = None
+else:  # pragma: no cover - exercised on the CPU CI machine
     libdevice = None
 
 TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row (instead of 0)

@@ -45,13 +45,7 @@ from streamrec.models.topk_merge import (
     sample_threshold,
     sorted_exclusions,
 )
-
-try:  # Triton ships with CUDA builds of torch only.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on the CPU CI machine
-    triton = None
-    tl = None
+from streamrec.models.triton_lang import tl, triton
 
 CHUNK_ITEMS = 1 << 18  # items scored per mm: 128 MB of bf16 scores at batch 256
 SCAN_BLOCK = 1024  # scores read per step of a scan program (2 KB of bf16)

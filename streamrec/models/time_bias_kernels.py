@@ -27,12 +27,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton ships with CUDA builds of torch only.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on the CPU CI machine
-    triton = None
-    tl = None
+from streamrec.models.triton_lang import tl, triton
 
 # Cells of |dt|: fp64 exponent (0 … 63 above 1 ms) x 4 quarter octaves.
 NUM_CELLS = 256

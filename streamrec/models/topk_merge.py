@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton ships with CUDA builds of torch only.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on the CPU CI machine
-    triton = None
-    tl = None
+from streamrec.models.triton_lang import tl, triton
 
 MERGE_WINDOW = 2048
 MERGE_WARPS = 8
