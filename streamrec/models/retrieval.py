@@ -22,7 +22,8 @@ side in ``bench/retrieval_bench.py``. The algorithm here:
    (``tl.topk``) and raises that user's threshold to the ``KEEP``-th score: the chunk is
    walked in item order, so a later item with an equal score ranks below all of them.
    (The append and the compaction are ``region_append.py``'s; ``resident_select.py`` is
-   the same select with the users' tile kept in shared memory, ``LaunchConfig.resident``.)
+   the same select with the users' tile kept in shared memory, ``LaunchConfig.resident``:
+   exact, measured slower, opt-in.)
 3. **Merge** (``topk_merge.py``). One program per user walks its candidates in windows,
    turns excluded items into ``-inf`` and keeps the top k.
 
