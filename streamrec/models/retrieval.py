@@ -138,8 +138,8 @@ def default_config(batch: int | torch.SymInt, dtype: torch.dtype, dim: int) -> L
         return LaunchConfig(64, 128, block_k, 4, 4)
     if batch <= 64:
         return LaunchConfig(16 if small else 32 if batch <= 32 else 64, 128, block_k, 4, 4)
-    # 256-item tiles and the branched append: 1.15x and 1.04x at batch 256 on the H100
-    # (the append 1.3x for the verify's 320 rows at k = 1; at batch 64 it lost, 0.97x)
+    # 256-item tiles and the branched append, at batch 256 on the H100: the op 1.12x and
+    # 1.03x (the append 1.3x for the verify's 320 rows at k = 1; at batch 64 it lost, 0.97x)
     return LaunchConfig(128, 256, block_k, 8, 3, branch=True)
 
 
