@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md, one stage per device call:
-#   bash bench/h200_session.sh tests|kernel|decode|pipelines|select20|select20q|select20s|cand19|untimed18|prefill-tr|readback|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
+#   bash bench/h200_session.sh tests|kernel|decode|pipelines|select20|select20q|select20s|retrieval21|cand19|untimed18|prefill-tr|readback|warmup|speedup|prefill|prefill-model|scan-prefetch|retrieval|aoti|host13|worker13|workers|mps|e2p|backlog|spy13|demo|demo-aoti|tiers|multigpu|fp8|speculative|...
 # Results go to $OUT (the device tool brings them back) and bench/results/.
 set -uo pipefail
 export CXX=/usr/bin/g++ PYTHONUNBUFFERED=1
@@ -355,6 +355,14 @@ json.dump({'rows': rows, 'device': torch.cuda.get_device_name()}, open(sys.argv[
       python3 -m bench.retrieval_bench --batches 256 64 --sweep-batch 0 --out "$OUT" 2>&1 | tail -16
       python3 -m bench.retrieval_bench --k 1 --dim 512 --batches 320 --sweep-batch 0 \
         --out "$OUT" 2>&1 | tail -9 ;;
+    retrieval21)  # the twenty-first session's defaults in the committed tree (~3 min): the
+      # bf16 gpu tests at 1M items, the rows at batch 256 and 64 with the sweep (tile shapes,
+      # sampled fraction), the verify's 320 rows at k = 1
+      python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/models/test_retrieval.py \
+        -k "bf16 or top_few or ties or graph" 2>&1 | grep -E "B=|passed|failed|Error" | tail -8
+      python3 -m bench.retrieval_bench --batches 256 64 --iters 20 --out "$OUT" 2>&1 | tail -30
+      python3 -m bench.retrieval_bench --k 1 --dim 512 --batches 320 64 --sweep-batch 0 \
+        --out "$OUT" 2>&1 | tail -13 ;;
     select20s)  # select20q's bench rows alone (~1.5 min; rows_differ checks them against topk)
       python3 -m bench.retrieval_bench --batches 256 64 --sweep-batch 0 --iters 20 \
         --out "$OUT" 2>&1 | tail -16 ;;
