@@ -93,6 +93,7 @@ MODEL_CODE = (
     "streamrec.models.region_append",
     "streamrec.models.resident_select",
     "streamrec.models.topk_merge",
+    "streamrec.models.triton_lang",
     "streamrec.models.scratch_extend",
     "streamrec.models.config",
     "streamrec.models.fp8",
