@@ -5,7 +5,8 @@ All run inside CUDA graphs (``graphed``: one replay per call), with 16 exclusion
 user and the first 17 rows blocked (the model's padding and OOV rows), as
 ``HSTU.retrieve`` does. Rows: ``op`` = ``retrieve`` with ``impl`` ``mm_topk``,
 ``mm_only`` (the GEMM alone: the scan's floor), ``fused`` (``retrieval.launch_retrieval``),
-``fused_branch`` (the same with the branched append, ``region_append.py``),
+``fused_branch`` or ``fused_masked`` (the same tile with the other append of
+``region_append.py``: branched where the default masks, masked where it branches),
 ``fused_resident`` (``retrieval.resident_config``: the users' tile in shared memory)
 or ``scan`` (``score_scan.launch_score_scan``): µs per call and per user, speedup against
 mm + topk, TFLOP/s of the GEMM part, how many rows differ from topk's — ties at the k-th
@@ -89,9 +90,8 @@ def batch_rows(
     base = _us(lambda: retrieval.retrieve_reference(users, table, exclude, k, FIRST), iters)
     want = retrieval.retrieve_reference(users, table, exclude, k, FIRST)[1]
     flop = 2.0 * batch * table.shape[0] * table.shape[1]
-    branched = dataclasses.replace(
-        retrieval.default_config(batch, table.dtype, table.shape[1]), branch=True
-    )
+    default = retrieval.default_config(batch, table.dtype, table.shape[1])
+    other = dataclasses.replace(default, branch=not default.branch)  # the other append
 
     def row(impl: str, us: float, **extra: object) -> dict[str, object]:
         return {"op": "retrieve", "impl": impl, "batch": batch, "us": round(us, 1),
@@ -102,9 +102,8 @@ def batch_rows(
     rows.append(row("mm_only", _us(lambda: users @ table[FIRST:].t(), iters)))
     impls: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
         "fused": partial(retrieval.launch_retrieval, users, table, exclude, k, FIRST),
-        # the default tile with the branched append (region_append.py)
-        "fused_branch": partial(
-            retrieval.launch_retrieval, users, table, exclude, k, FIRST, branched
+        "fused_branch" if other.branch else "fused_masked": partial(
+            retrieval.launch_retrieval, users, table, exclude, k, FIRST, other
         ),
         "scan": partial(score_scan.launch_score_scan, users, table, exclude, k, FIRST),
     }
@@ -130,19 +129,15 @@ def sweep_rows(
     table: torch.Tensor, batch: int, iters: int, base_us: float, k: int = K
 ) -> list[dict[str, object]]:
     users, exclude = _inputs(table, batch, seed=batch)
-    configs: list[tuple[str, retrieval.LaunchConfig]] = []
+    runs: list[tuple[str, retrieval.LaunchConfig, int | None]] = []
     for bb, bv, bk, warps, stages, per_sm, flat, branch in SWEEP:
         name = f"B{bb} V{bv} K{bk} w{warps} s{stages} p{per_sm}{' flat' * flat}{' branch' * branch}"
-        configs.append(
-            (name, retrieval.LaunchConfig(bb, bv, bk, warps, stages, per_sm, flat, branch))
-        )
+        cfg = retrieval.LaunchConfig(bb, bv, bk, warps, stages, per_sm, flat, branch)
+        runs.append((name, cfg, None))
     for bb, bv, warps, stages in RESIDENT_SWEEP:
         name = f"B{bb} V{bv} w{warps} s{stages} resident branch"
         cfg = retrieval.LaunchConfig(bb, bv, 64, warps, stages, 1, branch=True, resident=True)
-        configs.append((name, cfg))
-    runs: list[tuple[str, retrieval.LaunchConfig, int | None]] = [
-        (name, cfg, None) for name, cfg in configs
-    ]
+        runs.append((name, cfg, None))
     default = retrieval.default_config(batch, table.dtype, table.shape[1])
     runs += [(f"default, sample 1 in {every}", default, every) for every in EVERY_SWEEP]
     rows: list[dict[str, object]] = []

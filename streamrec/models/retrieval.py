@@ -441,10 +441,9 @@ if triton is not None:
             if dev.type == "cuda":
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
             programs = cfg.programs_per_sm * sms
-        sample_v = bv if cfg.resident else tile["BLOCK_V"]
         every = every or sample_every(k)
-        sampled = cdiv(num_items - first_row, sample_v * every)
-        groups = sampled * (sample_v // SAMPLE_GROUP)
+        sampled = cdiv(num_items - first_row, bv * every)  # sampled tiles of bv items
+        groups = sampled * (bv // SAMPLE_GROUP)
         gmax = torch.empty(num_users, groups, device=dev, dtype=torch.float32)
         if cfg.resident:
             per_chunk = cdiv(sampled, max(1, min(cdiv(programs, user_tiles), sampled)))
